@@ -1,0 +1,122 @@
+"""The config schema (every key, with the paper's defaults) and its validation.
+
+Experiment files in `configs/` start from `base_config()` and set what differs; `validate`
+runs before anything is compiled or written, so a bad value fails with a message that names
+the key and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import ml_collections
+
+ARCHS = ("dense",)
+HEADS = ("standard", "twin")
+
+
+def ffn_width(d: int) -> int:
+    """8d/3 rounded up to a multiple of 64 (SPEC §3)."""
+    return 64 * math.ceil(8 * d / 3 / 64)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = ""
+    c.seed = 0
+    c.init_from = ""  # a standard checkpoint to upcycle into a twin model (issue 5)
+
+    c.model = m = ml_collections.ConfigDict()
+    m.arch = "dense"
+    m.head = "twin"
+    m.vocab_size = 50304  # GPT-2's 50,257 entries padded to a multiple of 64
+    m.d_model = 768
+    m.n_layers = 16
+    m.n_heads = 12
+    m.n_kv_heads = 6
+    m.head_dim = 64
+    m.d_ff = 2048
+    m.rope_theta = 10_000.0
+    m.norm_eps = 1e-6
+    m.dtype = "bfloat16"  # compute dtype; parameters and optimizer state stay fp32
+    m.scan_layers = True
+    m.remat = "none"  # none | dots | full
+    m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn
+
+    c.train = t = ml_collections.ConfigDict()
+    t.steps = 0  # 0: derive from tokens_per_param
+    t.tokens_per_param = 40.0
+    t.global_batch = 256
+    t.micro_batch = 16  # per data-parallel replica
+    t.lr = 1e-3
+    t.final_lr = 1e-4
+    t.warmup_steps = 1000
+    t.decay_fraction = 0.2
+    t.b1 = 0.9
+    t.b2 = 0.95
+    t.eps = 1e-8
+    t.weight_decay = 0.1
+    t.decay_vectors = False  # weight decay on vectors (norm weights, the gate) too?
+    t.grad_clip = 1.0
+    t.log_every = 10
+    t.eval_every = 500
+    t.checkpoint_every = 1000
+    t.keep_checkpoints = 3
+    t.peak_tflops = 0.0  # per device, for MFU; 0: look up from the device kind
+
+    c.data = dt = ml_collections.ConfigDict()
+    dt.dir = ""  # prepared token shards; "" = the bundled corpus, prepared into the workdir
+    dt.seq_len = 1024
+    dt.seed = 0
+
+    c.eval = e = ml_collections.ConfigDict()
+    e.windows = 1024
+    e.seed = 1234
+    e.batch = 8
+
+    c.mesh = ms = ml_collections.ConfigDict()
+    ms.data = -1
+    ms.fsdp = 1
+    ms.tensor = 1
+    return c
+
+
+def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Raise ValueError naming the key and the fix; return cfg unchanged otherwise."""
+    m = cfg.model
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(f"config {cfg.get('name') or ''!s}: {msg}")
+
+    need(m.arch in ARCHS, f"unknown model.arch {m.arch!r}; choose one of {ARCHS}")
+    need(m.head in HEADS, f"unknown model.head {m.head!r}; choose one of {HEADS}")
+    for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size"):
+        need(int(m[key]) > 0, f"model.{key} must be positive, got {m[key]}")
+    need(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
+        "grouped-query attention needs whole groups",
+    )
+    need(
+        m.d_model % m.n_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
+    )
+    need(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE")
+    need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
+    need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
+    need(m.vocab_size >= 50257, f"model.vocab_size={m.vocab_size} is below GPT-2's 50,257 tokens")
+    return cfg
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+    """`configs/paper.py:dense-142m-twin` -> the validated ConfigDict (as config_flags would)."""
+    path, _, arg = spec.partition(":")
+    if not os.path.exists(path):
+        raise ValueError(f"config file {path!r} not found")
+    module_spec = importlib.util.spec_from_file_location("_onona_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return validate(module.get_config(arg) if arg else module.get_config())

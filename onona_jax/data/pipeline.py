@@ -1,0 +1,213 @@
+"""Loading prepared shards: memory-mapped token stream, fixed windows, grain batch iterator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from onona_jax.data.prepare import FORMAT_VERSION, prepare
+from onona_jax.tokenizer import bundled_corpus_path
+
+_SCAN_CHUNK = 1 << 26  # tokens per max-id scan step: bounds the temporary on the error path
+
+
+def _prepare_hint(data_dir: Path) -> str:
+    return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
+
+
+class TokenStore:
+    """One split of a prepared data dir as a single read-only token stream over memory-mapped shards."""
+
+    def __init__(self, data_dir: str | Path, split: str, vocab_size: int | None = None):
+        d = Path(data_dir)
+        manifest_path = d / "manifest.json"
+        if not manifest_path.is_file():
+            raise ValueError(f"no prepared data at {d} (missing {manifest_path}); {_prepare_hint(d)}")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != "uint16":
+            raise ValueError(f"{manifest_path} has format_version={manifest.get('format_version')}, "
+                             f"dtype={manifest.get('dtype')}; expected {FORMAT_VERSION}, uint16: {_prepare_hint(d)}")
+        if split not in manifest["splits"]:
+            raise ValueError(f"{manifest_path} has no split {split!r} (has {sorted(manifest['splits'])})")
+        shards = [s for s in manifest["splits"][split]["shards"] if s["tokens"] > 0]
+        if not shards:
+            raise ValueError(f"split {split!r} of {d} is empty (heldout_fraction={manifest.get('heldout_fraction')}); "
+                             f"{_prepare_hint(d)} with enough text (and --heldout_fraction > 0 for held-out data)")
+        self.data_dir, self.split, self.manifest = d, split, manifest
+        self.vocab_size = vocab_size or manifest["vocab"]
+        self.shards: list[np.memmap] = []
+        for s in shards:
+            path = d / s["file"]
+            if not path.is_file():
+                raise ValueError(f"shard {path} listed in {manifest_path} is missing; {_prepare_hint(d)} again")
+            size = path.stat().st_size
+            if size != 2 * s["tokens"]:
+                raise ValueError(f"shard {path} has {size} bytes but the manifest says {s['tokens']} uint16 tokens "
+                                 f"({2 * s['tokens']} bytes); the data dir is incomplete or corrupt: "
+                                 f"{_prepare_hint(d)} again")
+            arr = np.memmap(path, dtype=np.uint16, mode="r")
+            self._check_ids(arr, path)
+            self.shards.append(arr)
+        self.offsets = np.cumsum([0] + [len(a) for a in self.shards])  # stream position of each shard start
+
+    def _check_ids(self, arr: np.ndarray, path: Path) -> None:
+        # A wrong tokenizer or dtype would otherwise surface as an out-of-range embedding gather.
+        for start in range(0, len(arr), _SCAN_CHUNK):
+            chunk = arr[start : start + _SCAN_CHUNK]
+            if int(chunk.max()) >= self.vocab_size:
+                pos = start + int(np.argmax(chunk >= self.vocab_size))
+                raise ValueError(f"shard {path} has token id {int(arr[pos])} at position {pos}, >= vocab size "
+                                 f"{self.vocab_size}; it was not made with the GPT-2 tokenizer: re-run "
+                                 f"`python -m onona_jax.data.prepare` with the right tokenizer")
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Copy of tokens[start:stop] of the concatenated stream (may span shards)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"token range [{start}, {stop}) outside stream of {len(self)} tokens")
+        out = np.empty(stop - start, np.uint16)
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            base, end = int(self.offsets[i]), int(self.offsets[i + 1])
+            n = min(stop, end) - pos
+            out[pos - start : pos - start + n] = self.shards[i][pos - base : pos - base + n]
+            pos += n
+            i += 1
+        return out
+
+    def num_windows(self, seq_len: int) -> int:
+        """Number of non-overlapping windows of seq_len + 1 tokens."""
+        n = len(self) // (seq_len + 1)
+        if n == 0:
+            raise ValueError(f"{self.split} split of {self.data_dir} has {len(self)} tokens, fewer than one window "
+                             f"of seq_len + 1 = {seq_len + 1}; lower seq_len or prepare more text")
+        return n
+
+
+class WindowSource:
+    """grain RandomAccessDataSource: window i = tokens[i*(seq_len+1) : (i+1)*(seq_len+1)] as int32."""
+
+    def __init__(self, store: TokenStore, seq_len: int):
+        self.store, self.seq_len = store, seq_len
+        self._len = store.num_windows(seq_len)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        index = int(index)
+        if not 0 <= index < self._len:
+            raise IndexError(f"window {index} out of range [0, {self._len})")
+        w = self.seq_len + 1
+        return self.store.read(index * w, (index + 1) * w).astype(np.int32)
+
+    def __repr__(self) -> str:
+        return f"WindowSource({self.store.data_dir}, {self.store.split}, seq_len={self.seq_len}, windows={self._len})"
+
+
+class TrainIterator(grain.DatasetIterator):
+    """Yields this process's share of each global batch; state = global step plus the config it is valid for."""
+
+    def __init__(self, parent: grain.DatasetIterator, config: dict):
+        super().__init__(parent)
+        self.config = config
+
+    def __next__(self) -> np.ndarray:
+        return next(self._parent)
+
+    @property
+    def step(self) -> int:
+        """Index of the global batch the next call returns."""
+        return int(self._parent.get_state()["next_index"])
+
+    def get_state(self) -> dict:
+        return {"step": self.step, **self.config}
+
+    def set_state(self, state: dict) -> None:
+        # Process index/count are not part of the state: the global batches do not depend on them.
+        diff = {k: (state.get(k), v) for k, v in self.config.items() if state.get(k) != v}
+        if diff:
+            raise ValueError("data iterator state was saved with a different config (saved, now): "
+                             + ", ".join(f"{k}={a!r}, {b!r}" for k, (a, b) in diff.items()))
+        self._parent.set_state({"next_index": int(state["step"])})
+
+
+def train_batches(
+    data_dir: str | Path,
+    seq_len: int,
+    global_batch: int,
+    seed: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    start_step: int = 0,
+    read_threads: int = 1,
+    prefetch: int = 2,
+    vocab_size: int | None = None,
+) -> TrainIterator:
+    """Endless iterator of np.int32 [global_batch // process_count, seq_len + 1] training batches.
+
+    Slot j of global batch b is window perm[(b * global_batch + j) % num_windows] for one fixed
+    permutation `perm` of `seed` (every epoch repeats it); process p gets slots
+    [p * G/P, (p + 1) * G/P), so the global batch does not depend on the process count.
+    """
+    if global_batch < 1 or process_count < 1 or global_batch % process_count:
+        raise ValueError(f"global_batch {global_batch} is not divisible by process_count {process_count}; "
+                         "choose a global batch that is a multiple of the number of processes")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    source = WindowSource(TokenStore(data_dir, "train", vocab_size), seq_len)
+    local = global_batch // process_count
+    lo = process_index * local
+
+    def read_share(window_ids: np.ndarray) -> np.ndarray:
+        return np.stack([source[i] for i in window_ids[lo : lo + local]])
+
+    # Shuffle window *ids* (cheap to batch globally), then read only this process's share.
+    # reseed_each_epoch=False: grain would otherwise draw a new permutation every epoch.
+    ds = (
+        grain.MapDataset.range(len(source))
+        .shuffle(seed=seed)
+        .repeat(reseed_each_epoch=False)
+        .batch(global_batch, drop_remainder=True)
+        .map(read_share)
+    )
+    read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
+    config = {"seed": seed, "seq_len": seq_len, "global_batch": global_batch, "num_windows": len(source)}
+    it = TrainIterator(iter(ds.to_iter_dataset(read_options)), config)
+    if start_step:
+        it.set_state({**config, "step": start_step})
+    return it
+
+
+def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int = 1234,
+                       vocab_size: int | None = None) -> np.ndarray:
+    """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order."""
+    store = TokenStore(data_dir, "heldout", vocab_size)
+    source = WindowSource(store, seq_len)
+    if len(source) < count:
+        raise ValueError(f"held-out split of {data_dir} has only {len(source)} windows of seq_len + 1 = "
+                         f"{seq_len + 1} tokens but {count} were requested; lower the count (or seq_len) or "
+                         "re-run prepare with a larger --heldout_fraction")
+    ids = np.sort(np.random.default_rng(seed).choice(len(source), count, replace=False))
+    return np.stack([source[i] for i in ids]) if count else np.zeros((0, seq_len + 1), np.int32)
+
+
+def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: float = 0.02) -> str:
+    """Prepare the bundled Austen corpus into `data_dir` unless it already holds prepared data."""
+    d = Path(data_dir)
+    if not (d / "manifest.json").is_file():
+        try:
+            prepare([bundled_corpus_path()], str(d), heldout_fraction=heldout_fraction)
+        except (ValueError, OSError):
+            if not (d / "manifest.json").is_file():  # else another process prepared it first
+                raise
+    TokenStore(d, "train").num_windows(seq_len)  # fail now, not at the first batch
+    return str(d)

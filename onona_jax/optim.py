@@ -1,0 +1,55 @@
+"""AdamW with the warmup–stable–decay schedule of SPEC §4, and the step budget."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+
+def wsd(peak: float, final: float, warmup: int, total: int, decay_fraction: float):
+    """Warmup–stable–decay: linear warmup reaching `peak` at step warmup-1, constant, then
+    linear decay over the last `decay_fraction` of steps reaching `final` at step total-1."""
+    decay_steps = max(1, round(decay_fraction * total))
+    decay_start = total - decay_steps
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = peak * jnp.minimum(1.0, (step + 1) / max(warmup, 1))
+        frac = jnp.clip((step - decay_start) / max(decay_steps - 1, 1), 0.0, 1.0)
+        decayed = peak + (final - peak) * frac
+        return jnp.where(step < decay_start, warm, jnp.minimum(warm, decayed))
+
+    return schedule
+
+
+def total_steps(cfg, dense_standard_params: int) -> int:
+    """train.steps, or tokens_per_param × (Dense Standard parameters) rounded up to whole steps."""
+    if cfg.train.steps > 0:
+        return int(cfg.train.steps)
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    return math.ceil(cfg.train.tokens_per_param * dense_standard_params / tokens_per_step)
+
+
+def decay_mask(logical_axes) -> dict:
+    """True where weight decay applies: matrices. Vectors (norm weights, the gate) are exempt;
+    a leading `layers` axis (scan) does not count as a dimension."""
+    return jax.tree.map(
+        lambda spec: len([a for a in spec if a != "layers"]) >= 2,
+        logical_axes,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def make_optimizer(cfg, steps: int, logical_axes) -> tuple[optax.GradientTransformation, callable]:
+    t = cfg.train
+    schedule = wsd(t.lr, t.final_lr, t.warmup_steps, steps, t.decay_fraction)
+    mask = decay_mask(logical_axes) if not t.decay_vectors else None
+    tx = optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask),
+    )
+    return tx, schedule

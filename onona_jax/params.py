@@ -1,0 +1,122 @@
+"""Parameter declaration and initialisation keyed by path and seed.
+
+Modules declare parameters with `param(shape, axes, init)`: a placeholder value plus two
+pieces of metadata, the logical axis names (mapped onto mesh axes by one rules table in
+`sharding.py`) and the name of an initialiser. Values are filled in afterwards by
+`init_params`, where each parameter's random key is derived from the seed and the
+parameter's *path*, not from the order of construction. Hence
+
+* the body of a twin and a standard model start identical for the same seed (and twin's A
+  equals standard's E: they share the init name `tables/A`), whatever else exists;
+* a scanned model (layers stacked on a leading `layers` axis) and an unscanned one start
+  from the same values: layer i's key is fold_in(key(path), i) in both.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+INIT_STD = 0.02
+
+
+def param(
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    init: str = "normal",
+    *,
+    stack: int | None = None,
+    init_name: str | None = None,
+) -> nnx.Param:
+    """Declare a parameter. `stack` prepends a `layers` axis (scan over layers)."""
+    if len(shape) != len(axes):
+        raise ValueError(f"shape {shape} and logical axes {axes} differ in rank")
+    if init not in INITIALIZERS:
+        raise ValueError(f"unknown initialiser {init!r}; choose one of {sorted(INITIALIZERS)}")
+    if stack is not None:
+        shape, axes = (stack, *shape), ("layers", *axes)
+    return nnx.Param(jnp.zeros(shape, jnp.float32), axes=tuple(axes), init=init, init_name=init_name)
+
+
+def _dt_bias(key, shape):
+    # softplus⁻¹(dt) with dt log-uniform in [1e-3, 0.1] (Mamba-2 / Gated DeltaNet init).
+    dt = jnp.exp(jax.random.uniform(key, shape) * (np.log(0.1) - np.log(1e-3)) + np.log(1e-3))
+    dt = jnp.maximum(dt, 1e-4)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+INITIALIZERS: dict[str, Callable[[jax.Array, tuple[int, ...]], jax.Array]] = {
+    "normal": lambda key, shape: INIT_STD * jax.random.normal(key, shape, jnp.float32),
+    "ones": lambda key, shape: jnp.ones(shape, jnp.float32),
+    "zeros": lambda key, shape: jnp.zeros(shape, jnp.float32),
+    "a_log": lambda key, shape: jnp.log(jax.random.uniform(key, shape, minval=1e-4, maxval=16.0)),
+    "dt_bias": _dt_bias,
+}
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """'trunk/layers/attn/q' — integer (layer index) components dropped."""
+    return "/".join(str(p) for p in path if not isinstance(p, int))
+
+
+def _layer_index(path: tuple[Any, ...]) -> int | None:
+    ints = [p for p in path if isinstance(p, int)]
+    return ints[0] if ints else None
+
+
+def abstract_state(model_fn: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and the abstract (shape-only) state of a model, no allocation."""
+    return nnx.split(nnx.eval_shape(model_fn))
+
+
+def flat_variables(state: nnx.State):
+    """[(path tuple, Variable)] in a deterministic order."""
+    return list(nnx.to_flat_state(state))
+
+
+def init_value(seed_key: jax.Array, path: tuple[Any, ...], var: nnx.Variable) -> jax.Array:
+    meta = var.get_metadata()
+    init = INITIALIZERS[meta["init"]]
+    name = meta.get("init_name") or path_str(path)
+    key = jax.random.fold_in(seed_key, zlib.crc32(name.encode()))
+    shape = tuple(var.shape)
+    if meta["axes"][:1] == ("layers",):  # stacked: layer i gets fold_in(key, i)
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(shape[0]))
+        return jax.vmap(lambda k: init(k, shape[1:]))(keys)
+    index = _layer_index(path)
+    if index is not None:
+        key = jax.random.fold_in(key, index)
+    return init(key, shape)
+
+
+def init_params(state: nnx.State, seed: int) -> dict:
+    """Pure dict of fp32 arrays for an abstract state. Jit it with out_shardings to create
+    the parameters directly sharded on a mesh."""
+    seed_key = jax.random.key(seed)
+    flat = {path: init_value(seed_key, path, var) for path, var in flat_variables(state)}
+    return _unflatten(flat)
+
+
+def logical_axes(state: nnx.State) -> dict:
+    """Pure dict of logical-axis tuples (wrapped in PartitionSpec so they stay pytree leaves)."""
+    flat = {p: jax.sharding.PartitionSpec(*v.get_metadata()["axes"]) for p, v in flat_variables(state)}
+    return _unflatten(flat)
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = value
+    return out
+
+
+def count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

@@ -1,0 +1,115 @@
+"""The device mesh and the one table that maps logical axis names onto mesh axes.
+
+Parameters carry logical names (`vocab`, `embed`, `heads`, ...; see `params.param`) and
+activations are constrained with names too (`batch`, `act_embed`, ...). Which mesh axis each
+name lands on is decided here and only here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Iterable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axis (or axes, or None = replicated). First match wins.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar(
+    "onona_mesh_rules", default=None
+)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over all devices; one axis may be -1 (takes the rest)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: sizes must be positive or -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(
+                f"mesh {dict(zip(MESH_AXES, sizes))}: {len(devices)} devices are not divisible by "
+                f"the fixed axes' product {known}; set --config.mesh.* so they divide"
+            )
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but this run has "
+            f"{len(devices)}; set --config.mesh.data/fsdp/tensor so their product is "
+            f"{len(devices)} (one of them may be -1)"
+        )
+    try:  # topology-aware placement where the platform supports it
+        grid = jax.experimental.mesh_utils.create_device_mesh(sizes, devices)
+    except Exception:
+        grid = np.asarray(devices).reshape(sizes)
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_to_mesh(spec: P, rules=RULES) -> P:
+    table = dict(rules)
+    out, used = [], set()
+    for name in spec:
+        axis = table.get(name) if name is not None else None
+        if name is not None and name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule in sharding.RULES")
+        # a mesh axis may shard only one dimension of an array
+        axes = (axis,) if isinstance(axis, str) else tuple(axis or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def named_shardings(logical_tree, mesh: Mesh, rules=RULES):
+    """Pytree of PartitionSpec(logical names) -> pytree of NamedSharding on `mesh`."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, logical_to_mesh(s, rules)),
+        logical_tree,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules=RULES):
+    """Within this context `constrain` pins activations to the mesh; outside it is a no-op,
+    so the model runs unchanged on one device and in tests."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x, logical: Iterable[str | None]):
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh(P(*logical), rules)))

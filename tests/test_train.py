@@ -1,0 +1,108 @@
+"""Training: the schedule, the step budget, equal losses across meshes, accumulation, and
+restoring a checkpoint onto another mesh."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, tiny_config
+from onona_jax import config, optim, trainer
+from onona_jax.data import pipeline
+
+
+def test_wsd_schedule_values():
+    s = optim.wsd(peak=1e-3, final=1e-4, warmup=1000, total=21_740, decay_fraction=0.2)
+    decay_start = 21_740 - round(0.2 * 21_740)
+    assert float(s(0)) == pytest.approx(1e-6)  # first step: 1/warmup of the peak
+    assert float(s(999)) == pytest.approx(1e-3)  # end of warmup: the peak
+    assert float(s(decay_start - 1)) == pytest.approx(1e-3)
+    assert float(s(decay_start)) == pytest.approx(1e-3)  # decay starts from the peak
+    assert float(s(decay_start + 1)) < 1e-3
+    assert float(s(21_739)) == pytest.approx(1e-4)  # last step: the final rate
+
+
+@pytest.mark.parametrize("size,steps", [("142m", 21_740), ("330m", 50_349)])
+def test_token_budget_steps(size, steps):
+    for head in ("standard", "twin"):  # the twin arm gets the Dense Standard budget too
+        cfg = config.load(os.path.join(REPO, f"configs/paper.py:dense-{size}-{head}"))
+        assert optim.total_steps(cfg, trainer.dense_standard_params(cfg)) == steps
+
+
+def run_steps(cfg, n_steps=3, devices=None):
+    """Losses of the first n steps and the final params (host numpy)."""
+    run = trainer.setup(cfg, devices)
+    state = trainer.init_state(run, cfg.seed)
+    step = trainer.make_train_step(run)
+    batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
+    losses = []
+    with run.mesh:
+        for _ in range(n_steps):
+            state, m = step(state, trainer.global_batch(run, next(batches)))
+            losses.append(float(m["loss"]))
+    return np.array(losses), state, run
+
+
+def test_equal_losses_across_meshes(tiny_data):
+    results = {}
+    for mesh in [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]:
+        cfg = tiny_config(tiny_data)
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
+        losses, state, run = run_steps(cfg)
+        results[mesh] = losses
+        if mesh == (1, 2, 4):  # parameters are sharded as the rules say
+            p = state["params"]
+            assert p["head"]["A"].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+            assert p["trunk"]["layers"]["attn"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+            assert p["trunk"]["layers"]["mlp"]["down"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor", "fsdp")
+            assert p["trunk"]["final_norm"]["weight"].sharding.spec == jax.sharding.PartitionSpec(None)
+            shard = p["head"]["A"].addressable_shards[0].data.shape
+            assert shard == (50304 // 4, 64 // 2)
+    ref = results[(8, 1, 1)]
+    assert ref[2] < ref[0]  # it learns
+    for mesh, losses in results.items():
+        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=str(mesh))
+
+
+def test_accumulation_equals_one_big_batch(tiny_data):
+    """4 micro-batches of 2 give the same loss and gradient (the update before AdamW's
+    normalisation, which amplifies rounding where |g| ~ eps) as one batch of 8."""
+    out = {}
+    for micro in (8, 2):
+        cfg = tiny_config(tiny_data, micro_batch=micro)
+        cfg.mesh.data = 1
+        run = trainer.setup(cfg, jax.devices()[:1])
+        params = trainer.init_state(run, cfg.seed)["params"]
+        batch = next(pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch))
+        out[run.accum] = jax.jit(lambda p, b: trainer.accumulated_grads(run, p, b))(params, batch)
+    (l1, _, g1), (l4, _, g4) = out[1], out[4]
+    np.testing.assert_allclose(l4, l1, rtol=1e-6)  # 1e-6 absolute is below fp32 resolution at 10.8
+    diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g1, g4)
+    assert max(jax.tree.leaves(diffs)) < 1e-6
+    assert max(jax.tree.leaves(jax.tree.map(lambda g: float(jnp.max(jnp.abs(g))), g1))) > 1e-3
+
+
+def test_scan_and_loop_train_identically(tiny_data):
+    scan = tiny_config(tiny_data)
+    loop = tiny_config(tiny_data)
+    loop.model.scan_layers = False
+    dev = jax.devices()[:1]
+    for c in (scan, loop):
+        c.mesh.data = 1
+    np.testing.assert_allclose(run_steps(loop, 2, dev)[0], run_steps(scan, 2, dev)[0], rtol=1e-6)
+
+
+def test_checkpoint_restores_on_another_mesh(tiny_data, tmp_path):
+    from onona_jax import evaluation
+
+    cfg = tiny_config(tiny_data, steps=4, checkpoint_every=2)
+    cfg.mesh.data = 8
+    result = trainer.train(cfg, str(tmp_path), progress=False)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    for mesh, devices in [((1, 1, 1), jax.devices()[:1]), ((1, 2, 4), None), ((2, 4, 1), None)]:
+        ev = evaluation.validation(str(tmp_path), mesh=mesh, devices=devices)
+        assert ev["step"] == 4
+        for key in ("val_loss", "val_loss_a_only", "val_loss_b_only"):
+            assert ev[key] == pytest.approx(result[key], rel=1e-5), (mesh, key)
