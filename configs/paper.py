@@ -53,6 +53,11 @@ def get_config(arg: str = "dense-small-twin"):
     )
     c.data.seq_len = seq
     c.eval.windows = windows
+    # Families (SPEC §3). MoE: 8 experts of half the dense FFN width, top-2, so the active
+    # FFN matches Dense. GDN: heads of 128 dims covering d_model.
+    c.model.moe.d_expert = c.model.d_ff // 2
+    c.model.gdn.n_heads = max(1, d // 128)
+    c.model.gdn.head_dim_k = c.model.gdn.head_dim_v = min(128, d)
     if size in ("tiny", "small"):
         c.model.dtype = "float32"  # CPU: bf16 matmuls are emulated and slower
         c.train.lr = 3e-3

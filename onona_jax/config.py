@@ -13,7 +13,7 @@ import os
 
 import ml_collections
 
-ARCHS = ("dense",)
+ARCHS = ("dense", "moe", "gdn", "attnres")
 HEADS = ("standard", "twin")
 
 
@@ -44,6 +44,27 @@ def base_config() -> ml_collections.ConfigDict:
     m.scan_layers = True
     m.remat = "none"  # none | dots | full
     m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn
+    m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
+
+    m.moe = ml_collections.ConfigDict()  # arch=moe: every layer's FFN (SPEC §3)
+    m.moe.n_experts = 8
+    m.moe.top_k = 2
+    m.moe.d_expert = 1024
+    m.moe.renormalize = False  # renormalise the top-k router weights to sum to 1
+    m.moe.capacity_factor = 1.25  # training and validation
+    m.moe.eval_capacity_factor = 4.0  # perplexity and downstream evaluation
+    m.moe.aux_coef = 0.001  # Switch load-balancing loss, pooled over layers
+    m.moe.dispatch = "dense"  # dense (einsum) | sort
+
+    m.gdn = ml_collections.ConfigDict()  # arch=gdn: Gated DeltaNet layers (SPEC §3)
+    m.gdn.n_heads = 6
+    m.gdn.head_dim_k = 128
+    m.gdn.head_dim_v = 128
+    m.gdn.conv_kernel = 4
+    m.gdn.chunk = 64
+
+    m.attnres = ml_collections.ConfigDict()  # arch=attnres: Attention Residuals
+    m.attnres.block_size = 1  # sublayers per block; 1 = full AttnRes
 
     c.train = t = ml_collections.ConfigDict()
     t.steps = 0  # 0: derive from tokens_per_param
@@ -107,6 +128,18 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE")
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
     need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
+    pattern = (m.layer_pattern or ("gdn,gdn,gdn,attention" if m.arch == "gdn" else "attention")).split(",")
+    need(
+        set(pattern) <= {"attention", "gdn"},
+        f"model.layer_pattern {m.layer_pattern!r}: a comma list of attention and gdn",
+    )
+    need(
+        m.n_layers % len(pattern) == 0,
+        f"model.n_layers={m.n_layers} is not a multiple of the layer pattern's length {len(pattern)}",
+    )
+    if m.arch == "moe":
+        need(0 < m.moe.top_k <= m.moe.n_experts, f"model.moe.top_k={m.moe.top_k} must be in 1..n_experts")
+        need(m.moe.dispatch in ("dense", "sort"), f"model.moe.dispatch {m.moe.dispatch!r}: dense or sort")
     need(m.vocab_size >= 50257, f"model.vocab_size={m.vocab_size} is below GPT-2's 50,257 tokens")
     return cfg
 

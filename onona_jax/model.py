@@ -18,7 +18,7 @@ from flax import nnx
 
 from onona_jax import heads as heads_lib
 from onona_jax import params as params_lib
-from onona_jax.params import param
+from onona_jax.params import Stack, param
 from onona_jax.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -103,19 +103,68 @@ class MLP(nnx.Module):
         return hid @ self.down[...].astype(dt)
 
 
-class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+def mixer(kind: str):
+    """Token mixers by name; the other families' modules are imported on first use."""
+    if kind == "attention":
+        return Attention
+    if kind == "gdn":
+        from onona_jax.gdn import GatedDeltaNet
 
-    def __init__(self, cfg, stack=None):
+        return GatedDeltaNet
+    raise ValueError(f"unknown layer kind {kind!r} in model.layer_pattern; use attention or gdn")
+
+
+def feed_forward(kind: str):
+    if kind == "mlp":
+        return MLP
+    if kind == "moe":
+        from onona_jax.moe import MoE
+
+        return MoE
+    raise ValueError(f"unknown feed-forward {kind!r}; use mlp or moe")
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x)).
+
+    The mixer is attention (`attn`) or Gated DeltaNet (`gdn`), the feed-forward a SwiGLU
+    (`mlp`) or a mixture of experts (`moe`); the attribute names are the parameter paths.
+    Returns (x, aux) where aux holds per-layer statistics to be summed over layers (MoE)."""
+
+    def __init__(self, cfg, kind: str = "attention", stack=None):
+        self.kind, self.ffn = kind, ffn_kind(cfg)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack)
-        self.attn = Attention(cfg, stack=stack)
+        setattr(self, MIXER_ATTR[kind], mixer(kind)(cfg, stack=stack))
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack)
-        self.mlp = MLP(cfg, stack=stack)
+        setattr(self, self.ffn, feed_forward(self.ffn)(cfg, stack=stack))
 
     def __call__(self, x, positions):
-        x = x + self.attn(self.attn_norm(x), positions)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "seq", "act_embed"))
+        x = x + getattr(self, MIXER_ATTR[self.kind])(self.attn_norm(x), positions)
+        aux = {}
+        y = getattr(self, self.ffn)(self.mlp_norm(x))
+        if isinstance(y, tuple):  # MoE: (output, statistics)
+            y, aux = y
+        x = x + y
+        return constrain(x, ("batch", "seq", "act_embed")), aux
+
+
+MIXER_ATTR = {"attention": "attn", "gdn": "gdn"}
+
+# arch -> (layer pattern, feed-forward); model.layer_pattern overrides the pattern.
+ARCH_LAYOUT = {
+    "dense": ("attention", "mlp"),
+    "moe": ("attention", "moe"),
+    "gdn": ("gdn,gdn,gdn,attention", "mlp"),
+    "attnres": ("attention", "mlp"),
+}
+
+
+def layer_pattern(cfg) -> list[str]:
+    return (cfg.get("layer_pattern") or ARCH_LAYOUT[cfg.arch][0]).split(",")
+
+
+def ffn_kind(cfg) -> str:
+    return ARCH_LAYOUT[cfg.arch][1]
 
 
 REMAT_POLICIES = {
@@ -125,39 +174,60 @@ REMAT_POLICIES = {
 }
 
 
+def add_aux(total: dict, aux: dict) -> dict:
+    return {k: total.get(k, 0) + v for k, v in aux.items()} if aux else total
+
+
 class Trunk(nnx.Module):
-    """The decoder body: L blocks and the final norm. With `scan_layers` the blocks' weights
-    are stacked on a leading `layers` axis and one compiled body runs under lax.scan."""
+    """The decoder body: L blocks following `layer_pattern`, then the final norm.
+
+    With `scan_layers` each position of the pattern is stacked on a leading `layers` axis
+    (Dense: one block stacked L times; GDN hybrid: a group of 3 GDN + 1 attention blocks
+    stacked L/4 times) and one compiled group runs under lax.scan."""
 
     def __init__(self, cfg):
-        L = cfg.n_layers
-        self.scan = cfg.scan_layers
-        self.remat = cfg.remat
-        if self.scan:
-            self.layers = Block(cfg, stack=L)
+        pattern = layer_pattern(cfg)
+        P, L = len(pattern), cfg.n_layers
+        self.scan, self.remat = cfg.scan_layers, cfg.remat
+        if self.scan and P == 1:
+            self.layers = Block(cfg, pattern[0], stack=Stack(L))
+        elif self.scan:
+            self.layers = nnx.List(
+                [Block(cfg, kind, stack=Stack(L // P, P, j)) for j, kind in enumerate(pattern)]
+            )
         else:
-            self.layers = nnx.List([Block(cfg) for _ in range(L)])
+            self.layers = nnx.List([Block(cfg, pattern[i % P]) for i in range(L)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def __call__(self, x, positions):
-        policy = REMAT_POLICIES[self.remat]
+        """(h, aux): final-normed hidden states and the blocks' statistics summed over layers."""
 
         def apply(block, x):
             return block(x, positions)
 
         if self.remat != "none":
-            apply = jax.checkpoint(apply, policy=policy, static_argnums=())
+            apply = jax.checkpoint(apply, policy=REMAT_POLICIES[self.remat])
+        aux = {}
         if self.scan:
             graphdef, stacked = nnx.split(self.layers)
 
-            def body(x, layer_state):
-                return apply(nnx.merge(graphdef, layer_state), x), None
+            def body(carry, layer_state):
+                x, aux = carry
+                group = nnx.merge(graphdef, layer_state)
+                for block in group if isinstance(group, nnx.List) else [group]:
+                    x, a = apply(block, x)
+                    aux = add_aux(aux, a)
+                return (x, aux), None
 
-            x, _ = jax.lax.scan(body, x, stacked)
+            # One traced group gives the statistics' structure for the carry.
+            aux0 = jax.eval_shape(lambda x, s: body((x, {}), s)[0][1], x, jax.tree.map(lambda a: a[0], stacked))
+            aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0)
+            (x, aux), _ = jax.lax.scan(body, (x, aux), stacked)
         else:
             for block in self.layers:
-                x = apply(block, x)
-        return self.final_norm(x)
+                x, a = apply(block, x)
+                aux = add_aux(aux, a)
+        return self.final_norm(x), aux
 
 
 class Model(nnx.Module):
@@ -166,16 +236,28 @@ class Model(nnx.Module):
     def __init__(self, cfg):
         self.dtype = DTYPES[cfg.dtype]
         self.head = heads_lib.make_head(cfg.head, cfg.vocab_size, cfg.d_model)
-        self.trunk = Trunk(cfg)
+        if cfg.arch == "attnres":
+            from onona_jax.attnres import AttnResTrunk
 
-    def hidden(self, tokens, positions=None, x0=None):
-        """(h, x0): final hidden states [B, T, d] in the compute dtype and the fp32 input rows."""
+            self.trunk = AttnResTrunk(cfg)
+        else:
+            self.trunk = Trunk(cfg)
+
+    def forward(self, tokens, positions=None, x0=None):
+        """(h, x0, aux): final hidden states [B, T, d] in the compute dtype, the fp32 input
+        rows the gate reads, and the trunk's statistics (MoE routing) summed over layers."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         if x0 is None:
             x0 = self.head.embed(tokens)
         x = constrain(x0.astype(self.dtype), ("batch", "seq", "act_embed"))
-        return self.trunk(x, positions), x0
+        h, aux = self.trunk(x, positions)
+        return h, x0, aux
+
+    def hidden(self, tokens, positions=None, x0=None):
+        """(h, x0) of `forward`, without the statistics."""
+        h, x0, _ = self.forward(tokens, positions, x0)
+        return h, x0
 
     def __call__(self, tokens):
         """fp32 log-probabilities [B, T, V]."""

@@ -15,7 +15,7 @@ parameter's *path*, not from the order of construction. Hence
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +25,21 @@ from flax import nnx
 INIT_STD = 0.02
 
 
+class Stack(NamedTuple):
+    """A parameter stacked over layers for scanning: entry r is layer offset + stride·r
+    (stride > 1 when a scanned group holds several layers, e.g. 3 GDN + 1 attention)."""
+
+    count: int
+    stride: int = 1
+    offset: int = 0
+
+
 def param(
     shape: tuple[int, ...],
     axes: tuple[str | None, ...],
     init: str = "normal",
     *,
-    stack: int | None = None,
+    stack: Stack | None = None,
     init_name: str | None = None,
 ) -> nnx.Param:
     """Declare a parameter. `stack` prepends a `layers` axis (scan over layers)."""
@@ -38,9 +47,11 @@ def param(
         raise ValueError(f"shape {shape} and logical axes {axes} differ in rank")
     if init not in INITIALIZERS:
         raise ValueError(f"unknown initialiser {init!r}; choose one of {sorted(INITIALIZERS)}")
+    meta = {}
     if stack is not None:
-        shape, axes = (stack, *shape), ("layers", *axes)
-    return nnx.Param(jnp.zeros(shape, jnp.float32), axes=tuple(axes), init=init, init_name=init_name)
+        shape, axes = (stack.count, *shape), ("layers", *axes)
+        meta = {"layer_stride": stack.stride, "layer_offset": stack.offset}
+    return nnx.Param(jnp.zeros(shape, jnp.float32), axes=tuple(axes), init=init, init_name=init_name, **meta)
 
 
 def _dt_bias(key, shape):
@@ -60,7 +71,7 @@ INITIALIZERS: dict[str, Callable[[jax.Array, tuple[int, ...]], jax.Array]] = {
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-    """'trunk/layers/attn/q' — integer (layer index) components dropped."""
+    """'trunk/layers/attn/q' — integer (layer or group position) components dropped."""
     return "/".join(str(p) for p in path if not isinstance(p, int))
 
 
@@ -86,7 +97,8 @@ def init_value(seed_key: jax.Array, path: tuple[Any, ...], var: nnx.Variable) ->
     key = jax.random.fold_in(seed_key, zlib.crc32(name.encode()))
     shape = tuple(var.shape)
     if meta["axes"][:1] == ("layers",):  # stacked: layer i gets fold_in(key, i)
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(shape[0]))
+        layers = meta["layer_offset"] + meta["layer_stride"] * jnp.arange(shape[0])
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(layers)
         return jax.vmap(lambda k: init(k, shape[1:]))(keys)
     index = _layer_index(path)
     if index is not None:

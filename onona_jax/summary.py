@@ -17,12 +17,15 @@ from onona_jax import config as config_lib
 from onona_jax import model as model_lib
 from onona_jax.params import flat_variables, path_str
 
-COMPONENTS = ("tables", "gate", "attention", "mlp", "norms")
+COMPONENTS = ("tables", "gate", "attention", "gdn", "mlp", "moe", "attnres", "norms")
 
 
 def component(path: str) -> str:
     if path.startswith("head/"):
         return "gate" if path.endswith("gate") else "tables"
+    for part in ("attnres", "gdn", "moe"):  # before "norm": these own norm weights too
+        if f"{part}/" in path or path.startswith(part):
+            return part
     if "norm" in path:
         return "norms"
     if "/attn/" in path:

@@ -367,7 +367,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
 
     run = setup(cfg, devices)  # every config check, before any write
     if cfg.data.dir:  # user data: check it before writing anything
-        pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size)
+        pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size).num_windows(cfg.data.seq_len)
         pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed)
     os.makedirs(workdir, exist_ok=True)
     data_dir = prepare_data(cfg, workdir)

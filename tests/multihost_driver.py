@@ -1,0 +1,88 @@
+"""Runs `train.py` (same flags) with recording hooks, for tests/test_multihost.py.
+
+    ONONA_TEST_RECORD=<dir> python tests/multihost_driver.py --config=... --workdir=...
+
+Before train.py starts (and joins the other processes through `platform.initialize()`), it
+wraps two functions of this process only (no package code changes):
+
+- `pipeline.WindowSource.__getitem__`: every *training* window index this process reads;
+- `trainer.global_batch`: the local rows it feeds each step, and which rows of the global
+  batch this process's devices hold.
+
+On exit it writes `<dir>/record-<process index>.npz` with `ids`, `fed` [steps, rows, T+1],
+`rows` [steps, rows], `process_index`, `process_count`, `local_devices`, `devices`.
+"""
+
+import os
+import runpy
+import sys
+import threading
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def install_hooks():
+    from onona_jax import trainer
+    from onona_jax.data import pipeline
+
+    record = {"ids": [], "fed": [], "rows": []}
+    lock = threading.Lock()  # grain reads on its own thread(s)
+    get_window = pipeline.WindowSource.__getitem__
+
+    def recording_getitem(self, index):
+        if self.store.split == "train":
+            with lock:
+                record["ids"].append(int(index))
+        return get_window(self, index)
+
+    make_global = trainer.global_batch
+
+    def recording_global_batch(run, local):
+        arr = make_global(run, local)
+        n = arr.shape[0]
+        rows = sorted({r for s in arr.addressable_shards for r in range(*s.index[0].indices(n))})
+        record["fed"].append(np.array(local, copy=True))
+        record["rows"].append(rows)
+        return arr
+
+    pipeline.WindowSource.__getitem__ = recording_getitem
+    trainer.global_batch = recording_global_batch
+    return record
+
+
+def write(record, out_dir):
+    import jax
+
+    path = os.path.join(out_dir, f"record-{jax.process_index()}.npz")
+    np.savez(
+        path + ".tmp.npz",
+        ids=np.array(record["ids"], np.int64),
+        fed=np.stack(record["fed"]) if record["fed"] else np.zeros((0, 0, 0), np.int32),
+        rows=np.array(record["rows"], np.int64).reshape(len(record["rows"]), -1),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        local_devices=jax.local_device_count(),
+        devices=jax.device_count(),
+    )
+    os.replace(path + ".tmp.npz", path)
+
+
+def main():
+    out_dir = os.environ["ONONA_TEST_RECORD"]
+    record = install_hooks()
+    sys.argv = [os.path.join(REPO, "train.py"), *sys.argv[1:]]
+    sys.path.insert(0, REPO)
+    code = 0
+    try:
+        runpy.run_path(os.path.join(REPO, "train.py"), run_name="__main__")
+    except SystemExit as exit_:  # absl's app.run always exits
+        code = exit_.code
+    if code in (0, None):
+        write(record, out_dir)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
