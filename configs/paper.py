@@ -22,8 +22,8 @@ SIZES = {
 # Dense Standard model of that size sets the step count (train.steps = 0).
 #          global_batch  micro_batch  seq_len  steps  warmup  eval_every  windows  ckpt_every
 TRAIN = {
-    "tiny": (8, 8, 32, 50, 5, 25, 16, 25),
-    "small": (8, 8, 128, 200, 20, 100, 64, 100),
+    "tiny": (8, 0, 32, 50, 5, 25, 16, 25),  # micro_batch 0: the whole batch per replica
+    "small": (8, 0, 128, 200, 20, 100, 64, 100),
     "142m": (256, 16, 1024, 0, 1000, 500, 1024, 1000),
     "330m": (256, 16, 1024, 0, 1000, 500, 1024, 1000),
     "1b": (512, 8, 1024, 78_800, 1000, 500, 1024, 1000),  # the paper ran 78,800 steps (≈40.07 TPP)
@@ -58,9 +58,115 @@ def get_config(arg: str = "dense-small-twin"):
     c.model.moe.d_expert = c.model.d_ff // 2
     c.model.gdn.n_heads = max(1, d // 128)
     c.model.gdn.head_dim_k = c.model.gdn.head_dim_v = min(128, d)
+    if arch == "gdn":  # whole 3 GDN : 1 attention groups
+        c.model.n_layers = 4 * -(-layers // 4)
     if size in ("tiny", "small"):
         c.model.dtype = "float32"  # CPU: bf16 matmuls are emulated and slower
         c.train.lr = 3e-3
         c.train.final_lr = 3e-4
         c.train.log_every = 5
     return validate(c)
+
+
+# ---------------------------------------------------------------------------------------
+# Experiment grids (SPEC §6): `grid(name, size=None)` lists the arms that
+# `python -m onona_jax.sweep --grid=<name>` trains and `python -m onona_jax.report` compares.
+# Each arm belongs to a group and is compared with its group's baseline arm (the arm of that
+# group whose cell is the grid's `baseline`). With `size=None` every arm runs at the paper's
+# size; `size="small"` (or "tiny") maps every spec to that size; arms that then coincide
+# (Table 1's 142m and 330m groups) are kept once.
+# Cells: (arm name, head, overrides rule); the rule "deeper" adds ceil(n_layers/6) layers
+# (24 -> 28 at 330m, as the paper's depth control; 4 -> 5 at small), and "{n_layers}" in the
+# name becomes the deeper layer count ("standard-28l").
+import dataclasses as _dataclasses
+import math as _math
+
+
+@_dataclasses.dataclass
+class Arm:
+    name: str  # also the arm's directory under the sweep's workdir
+    spec: str  # "<arch>-<size>-<head>" for get_config
+    overrides: dict = _dataclasses.field(default_factory=dict)  # config key -> value
+    group: str = ""  # arms are compared within their group
+    baseline: str = ""  # name of the group's baseline arm (this arm's own name if it is it)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.name == self.baseline
+
+
+GRIDS = {
+    "table1": dict(
+        doc="Table 1 / Figure 1(b): onóna vs Standard for every family at 142M and 330M",
+        archs=("dense", "gdn", "moe", "attnres"), sizes=("142m", "330m"),
+        cells=(("standard", "standard", None), ("twin", "twin", None)),
+        baseline="standard", per_group=True,
+    ),
+    "output_layer": dict(
+        doc="Output-layer alternatives at 142M (Dense): onóna vs MoS, sigsoftmax, MoSS, untied",
+        archs=("dense",), sizes=("142m",),
+        cells=tuple((h, h, None) for h in ("standard", "twin", "mos", "sigsoftmax", "moss", "untied")),
+        baseline="standard", compare=(("moss", "twin"),),
+    ),
+    "controls": dict(
+        doc="Table 5, parameter-matched controls at 142M (Dense)",
+        archs=("dense",), sizes=("142m",),
+        cells=tuple((h, h, None) for h in ("standard", "twin", "untied", "mos", "input_gate")),
+        baseline="standard", compare=(("input_gate", "twin"),),
+    ),
+    "factorial": dict(
+        doc="2×2 factorial at 142M (Dense): input averaging × output mixture",
+        archs=("dense",), sizes=("142m",),
+        cells=tuple((h, h, None) for h in ("standard", "twin_input_only", "twin_output_only", "twin")),
+        baseline="standard",
+        interaction=dict(baseline="standard", input="twin_input_only", output="twin_output_only", both="twin"),
+    ),
+    "depth": dict(
+        doc="Depth control at 330M (Dense): is onóna worth more than extra layers?",
+        archs=("dense",), sizes=("330m",),
+        cells=(("standard", "standard", None), ("standard-{n_layers}l", "standard", "deeper"),
+               ("twin", "twin", None)),
+        baseline="standard", compare=(("twin", "standard-{n_layers}l"),),
+    ),
+}
+
+
+def _deeper(layers: int) -> int:
+    return layers + _math.ceil(layers / 6)
+
+
+def grid_info(name: str, size: str | None = None) -> dict:
+    """The grid as data: arms (dicts), baselines per group, comparisons, interaction."""
+    if name not in GRIDS:
+        raise ValueError(f"unknown grid {name!r}; choose one of {', '.join(GRIDS)}")
+    if size is not None and size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    g = GRIDS[name]
+    arms, names = [], {}
+    for arch in g["archs"]:
+        for paper_size in g["sizes"]:
+            sz = size or paper_size
+            deeper = _deeper(SIZES[sz][1])
+            group = f"{arch}-{sz}"
+            for cell, head, rule in g["cells"]:
+                arm_name = cell.format(n_layers=deeper)
+                names[cell] = arm_name
+                if g.get("per_group"):
+                    arm_name = f"{arch}-{sz}-{arm_name}"
+                overrides = {"model.n_layers": deeper} if rule == "deeper" else {}
+                base = f"{arch}-{sz}-{g['baseline']}" if g.get("per_group") else g["baseline"]
+                arm = Arm(arm_name, f"{arch}-{sz}-{head}", overrides, group, base)
+                if all(a.name != arm.name for a in arms):  # 142m and 330m coincide off-paper
+                    arms.append(arm)
+    return dict(
+        grid=name, doc=g["doc"], size=size or ",".join(g["sizes"]), paper_sizes=list(g["sizes"]),
+        arms=[_dataclasses.asdict(a) for a in arms],
+        baselines={a.group: a.baseline for a in arms},
+        compare=[[names.get(x, x) for x in pair] for pair in g.get("compare", ())],
+        interaction={k: names.get(v, v) for k, v in g.get("interaction", {}).items()} or None,
+    )
+
+
+def grid(name: str, size: str | None = None) -> list[Arm]:
+    """The arms of grid `name` at the paper's sizes (size=None) or all at `size`."""
+    return [Arm(**a) for a in grid_info(name, size)["arms"]]

@@ -14,7 +14,10 @@ import os
 import ml_collections
 
 ARCHS = ("dense", "moe", "gdn", "attnres")
-HEADS = ("standard", "twin")
+HEADS = (
+    "standard", "twin", "untied", "mos", "sigsoftmax", "moss", "input_gate",
+    "twin_input_only", "twin_output_only",
+)
 
 
 def ffn_width(d: int) -> int:
@@ -44,6 +47,9 @@ def base_config() -> ml_collections.ConfigDict:
     m.scan_layers = True
     m.remat = "none"  # none | dots | full
     m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn
+    m.loss = "fused"  # fused: chunked over the vocabulary, custom VJP (fused.py) | plain
+    m.loss_chunk = 4096  # vocabulary rows per tile of the fused loss
+    m.mos_components = 2  # K of the mos / moss heads
     m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
 
     m.moe = ml_collections.ConfigDict()  # arch=moe: every layer's FFN (SPEC §3)
@@ -70,7 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.steps = 0  # 0: derive from tokens_per_param
     t.tokens_per_param = 40.0
     t.global_batch = 256
-    t.micro_batch = 16  # per data-parallel replica
+    t.micro_batch = 16  # per data-parallel replica; 0 = global_batch / replicas (no accumulation)
     t.lr = 1e-3
     t.final_lr = 1e-4
     t.warmup_steps = 1000
@@ -128,6 +134,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE")
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
     need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
+    need(m.loss in ("fused", "plain"), f"model.loss {m.loss!r}: fused or plain")
+    need(m.loss_chunk > 0, f"model.loss_chunk={m.loss_chunk} must be positive")
     pattern = (m.layer_pattern or ("gdn,gdn,gdn,attention" if m.arch == "gdn" else "attention")).split(",")
     need(
         set(pattern) <= {"attention", "gdn"},

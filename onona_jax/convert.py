@@ -176,3 +176,45 @@ def hf_qwen3_config(cfg_model, max_position_embeddings: int = 1024):
         use_cache=False,
         attn_implementation="eager",
     )
+
+
+# ----------------------------------------------------------------------------- Gated DeltaNet
+
+
+def gdn_to_hf(layer_params: Mapping, cfg_model) -> dict[str, np.ndarray]:
+    """One of our `gdn.GatedDeltaNet` layers (its unstacked params: q, k, v, gate, a, b,
+    A_log, dt_bias, conv_q, conv_k, conv_v, norm, o) -> the state dict of HF transformers'
+    `Qwen3NextGatedDeltaNet` (names relative to the module) with
+    linear_num_key_heads = linear_num_value_heads = H (ours has no grouped value heads).
+
+    Layout differences, all resolved here:
+      * `in_proj_qkvz` [H·(2dk+2dv), d] fuses q, k, v and the output gate z, grouped per key
+        head: rows of head h are [q_h | k_h | v_h | z_h] (HF's `fix_query_key_value_ordering`).
+      * `in_proj_ba` [2H, d] fuses b and a, per head [b_h | a_h] (b first).
+      * `conv1d.weight` [2H·dk + H·dv, 1, K]: one depthwise conv over the concatenated
+        channels [q (H·dk) | k (H·dk) | v (H·dv)], each head-major; tap K−1 weighs the
+        current step in both (torch conv1d, left padding K−1).
+      * `out_proj.weight` [d, H·dv]; `norm.weight` [dv] (Qwen3NextRMSNormGated: a plain
+        weight, not 1 + weight); `A_log`, `dt_bias` [H] unchanged.
+    Numerics that match without conversion: L2 norm x·rsqrt(Σx²+1e-6) in fp32, q scaled by
+    dk^-½, g = −exp(A_log)·softplus(a + dt_bias), β = σ(b), gated norm eps = rms_norm_eps
+    (set it to our norm_eps), SiLU on the conv output."""
+    G = cfg_model.gdn
+    H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
+    p = {name: _numpy(x) for name, x in layer_params.items()}
+    d = p["q"].shape[0]
+    per_head = np.concatenate([p["q"], p["k"], p["v"], p["gate"]], axis=-1)  # [d, H, 2dk+2dv]
+    ba = np.stack([p["b"], p["a"]], axis=-1)  # [d, H, 2]
+    conv = np.concatenate(
+        [p[f"conv_{n}"].reshape(p[f"conv_{n}"].shape[0], -1) for n in ("q", "k", "v")], axis=1
+    )  # [K, 2H·dk + H·dv]
+    out = {
+        "in_proj_qkvz.weight": per_head.reshape(d, H * (2 * dk + 2 * dv)).T,
+        "in_proj_ba.weight": ba.reshape(d, 2 * H).T,
+        "conv1d.weight": conv.T[:, None, :],
+        "dt_bias": p["dt_bias"],
+        "A_log": p["A_log"],
+        "norm.weight": p["norm"],
+        "out_proj.weight": p["o"].reshape(H * dv, d).T,
+    }
+    return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from onona_jax import fused
 from onona_jax.params import param
 
 # The paper's gate uses torch's `F.rms_norm(x0, (d,))` with eps=None, i.e. finfo(fp32).eps.
@@ -82,6 +83,63 @@ def twin_target_log_probs(h, x0, A, B, w, targets):
     )
 
 
+def sigsoftmax_scores(z: jax.Array) -> jax.Array:
+    """log(exp(z)·σ(z)) = 2z − softplus(z), fp32: sigsoftmax's unnormalised log-probabilities."""
+    z = z.astype(jnp.float32)
+    return 2.0 * z - jax.nn.softplus(z)
+
+
+def sigsoftmax_log_probs(h, E):
+    """p ∝ exp(z)σ(z), z = hEᵀ (Kanai et al., 2018)."""
+    return log_softmax(sigsoftmax_scores(logits(h, E)))
+
+
+def sigsoftmax_target_log_probs(h, E, targets):
+    return target_log_softmax(sigsoftmax_scores(logits(h, E)), targets)
+
+
+def _mos_parts(h, W, W_prior):
+    """Mixture prior log π = log_softmax(h W_π) [..., K] and contexts tanh(W_k h) [..., K, d]."""
+    log_prior = log_softmax(h @ W_prior.astype(h.dtype))
+    contexts = jnp.tanh(jnp.einsum("...d,kde->...ke", h, W.astype(h.dtype)))
+    return log_prior, contexts
+
+
+def mos_log_probs(h, E, W, W_prior, sig: bool = False):
+    """Mixture of softmaxes (Yang et al., 2018): Σ_k π_k softmax(E tanh(W_k h)), in log space;
+    `sig` makes each component a sigsoftmax (MoSS)."""
+    log_prior, contexts = _mos_parts(h, W, W_prior)
+    z = logits(contexts, E)  # [..., K, V]
+    comp = log_softmax(sigsoftmax_scores(z) if sig else z)
+    return jax.nn.logsumexp(log_prior[..., None] + comp, axis=-2)
+
+
+def mos_target_log_probs(h, E, W, W_prior, targets, sig: bool = False):
+    log_prior, contexts = _mos_parts(h, W, W_prior)
+    z = logits(contexts, E)
+    k_targets = jnp.broadcast_to(targets[..., None], z.shape[:-1])
+    comp = target_log_softmax(sigsoftmax_scores(z) if sig else z, k_targets)  # [..., K]
+    return jax.nn.logsumexp(log_prior + comp, axis=-1)
+
+
+def input_gate_rows(a_rows, b_rows, w):
+    """The input-gate control: g·A[x] + (1−g)·B[x] with g = σ(wᵀ rmsnorm(M[x]))."""
+    g = jax.nn.sigmoid(gate_logit((a_rows + b_rows) * 0.5, w))[..., None]
+    return g * a_rows + (1.0 - g) * b_rows
+
+
+def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chunk: int = 4096):
+    """log p(target) under softmax(h Tᵀ) (one table) or the gated mixture of two (z the gate
+    logit): plainly, or fused and chunked over the vocabulary (`fused.py`), which never holds
+    more than a [tokens, chunk] tile of logits and shards the vocabulary on the mesh."""
+    if loss == "fused":
+        return fused.sharded_target_log_probs(h, tables, targets, z, chunk)
+    if len(tables) == 1:
+        return standard_target_log_probs(h, tables[0], targets)
+    A, B = tables
+    return mix(target_log_softmax(logits(h, A), targets), target_log_softmax(logits(h, B), targets), z)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -89,12 +147,32 @@ def _rows(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(table, tokens, axis=0)
 
 
-class StandardHead(nnx.Module):
-    """Tied head: one table E for input and output. E shares its init key with twin's A,
-    so the factorial cells start from the same table (SPEC §2)."""
+# Init names: the tables that play the same role share a name across heads, so the 2×2
+# factorial cells (and standard vs twin) start from identical A (SPEC §2).
+def _table(vocab, d, name):
+    return param((vocab, d), ("vocab", "embed"), init_name=f"tables/{name}")
 
-    def __init__(self, vocab: int, d: int):
-        self.embedding = param((vocab, d), ("vocab", "embed"), init_name="tables/A")
+
+def _gate(d):
+    return param((d,), ("embed",), init_name="tables/gate")
+
+
+class Head(nnx.Module):
+    """Base: the loss implementation (`model.loss`: fused | plain) and its vocabulary chunk."""
+
+    def __init__(self, cfg):
+        self.loss, self.chunk = cfg.loss, cfg.loss_chunk
+
+    def _target(self, h, tables, targets, z=None):
+        return table_target_log_probs(h, tables, targets, z, self.loss, self.chunk)
+
+
+class StandardHead(Head):
+    """Tied head: one table E for input and output (E shares its init with twin's A)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.embedding = _table(cfg.vocab_size, cfg.d_model, "A")
 
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
@@ -103,17 +181,18 @@ class StandardHead(nnx.Module):
         return standard_log_probs(h, self.embedding[...])
 
     def target_log_probs(self, h, x0, targets):
-        return standard_target_log_probs(h, self.embedding[...], targets)
+        return self._target(h, (self.embedding[...],), targets)
 
 
-class TwinHead(nnx.Module):
+class TwinHead(Head):
     """onóna: tables A and B, the body reads M = (A+B)/2, the head mixes two softmaxes with
     a gate that reads only the input token."""
 
-    def __init__(self, vocab: int, d: int):
-        self.A = param((vocab, d), ("vocab", "embed"), init_name="tables/A")
-        self.B = param((vocab, d), ("vocab", "embed"), init_name="tables/B")
-        self.gate = param((d,), ("embed",), init_name="tables/gate")
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.A = _table(cfg.vocab_size, cfg.d_model, "A")
+        self.B = _table(cfg.vocab_size, cfg.d_model, "B")
+        self.gate = _gate(cfg.d_model)
 
     def embed(self, tokens):
         # Gathering two rows is cheaper than forming M; (a+b)*0.5 is bitwise ((A+B)/2)[x].
@@ -122,20 +201,129 @@ class TwinHead(nnx.Module):
     def merged(self):
         return (self.A[...] + self.B[...]) * 0.5
 
+    def gate_rows(self, tokens):
+        """The rows the gate reads: the input rows, M[x] here."""
+        return self.embed(tokens)
+
+    def gate_probs(self, tokens):
+        """g = σ(wᵀ rmsnorm(gate rows)) per token, fp32 (for logging and serving)."""
+        return jax.nn.sigmoid(gate_logit(self.gate_rows(tokens), self.gate[...]))
+
     def log_probs(self, h, x0):
         return twin_log_probs(h, x0, self.A[...], self.B[...], self.gate[...])
 
     def target_log_probs(self, h, x0, targets):
-        return twin_target_log_probs(h, x0, self.A[...], self.B[...], self.gate[...], targets)
+        return self._target(h, (self.A[...], self.B[...]), targets, gate_logit(x0, self.gate[...]))
 
 
-HEADS: dict[str, Callable[[int, int], nnx.Module]] = {
+class UntiedHead(Head):
+    """Separate input table E and output table W (+Vd)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.embedding = _table(cfg.vocab_size, cfg.d_model, "A")
+        self.unembedding = _table(cfg.vocab_size, cfg.d_model, "unembedding")
+
+    def embed(self, tokens):
+        return _rows(self.embedding[...], tokens)
+
+    def log_probs(self, h, x0):
+        return standard_log_probs(h, self.unembedding[...])
+
+    def target_log_probs(self, h, x0, targets):
+        return self._target(h, (self.unembedding[...],), targets)
+
+
+class SigsoftmaxHead(StandardHead):
+    """Tied table, sigsoftmax output p ∝ exp(z)σ(z) (no extra parameters)."""
+
+    def log_probs(self, h, x0):
+        return sigsoftmax_log_probs(h, self.embedding[...])
+
+    def target_log_probs(self, h, x0, targets):
+        return sigsoftmax_target_log_probs(h, self.embedding[...], targets)
+
+
+class MoSHead(Head):
+    """Tied table, K-component mixture of softmaxes (or sigsoftmaxes: MoSS); bias-free,
+    +K·d² + K·d parameters (2d² + 2d at K = 2)."""
+
+    def __init__(self, cfg, sig: bool = False):
+        super().__init__(cfg)
+        d, K = cfg.d_model, cfg.mos_components
+        self.embedding = _table(cfg.vocab_size, d, "A")
+        self.mos_proj = param((K, d, d), (None, "embed", None))
+        self.mos_prior = param((d, K), ("embed", None))
+        self.sig = sig
+
+    def embed(self, tokens):
+        return _rows(self.embedding[...], tokens)
+
+    def log_probs(self, h, x0):
+        return mos_log_probs(h, self.embedding[...], self.mos_proj[...], self.mos_prior[...], self.sig)
+
+    def target_log_probs(self, h, x0, targets):
+        return mos_target_log_probs(
+            h, self.embedding[...], self.mos_proj[...], self.mos_prior[...], targets, self.sig
+        )
+
+
+class InputGateHead(TwinHead):
+    """Control: the gate mixes the *input* rows, g·A[x] + (1−g)·B[x]; the output is a single
+    softmax(Mh) with M = (A+B)/2."""
+
+    def embed(self, tokens):
+        return input_gate_rows(_rows(self.A[...], tokens), _rows(self.B[...], tokens), self.gate[...])
+
+    def gate_rows(self, tokens):
+        return TwinHead.embed(self, tokens)  # the gate reads M[x], the body reads the gated mix
+
+    def log_probs(self, h, x0):
+        return standard_log_probs(h, self.merged())
+
+    def target_log_probs(self, h, x0, targets):
+        return self._target(h, (self.merged(),), targets)
+
+
+class TwinInputOnlyHead(Head):
+    """Factorial cell: twin input M[x], single output softmax(Ah) (+Vd)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.A = _table(cfg.vocab_size, cfg.d_model, "A")
+        self.B = _table(cfg.vocab_size, cfg.d_model, "B")
+
+    def embed(self, tokens):
+        return (_rows(self.A[...], tokens) + _rows(self.B[...], tokens)) * 0.5
+
+    def log_probs(self, h, x0):
+        return standard_log_probs(h, self.A[...])
+
+    def target_log_probs(self, h, x0, targets):
+        return self._target(h, (self.A[...],), targets)
+
+
+class TwinOutputOnlyHead(TwinHead):
+    """Factorial cell: input A[x], the twin output mixture with the gate reading A[x]."""
+
+    def embed(self, tokens):
+        return _rows(self.A[...], tokens)
+
+
+HEADS: dict[str, Callable] = {
     "standard": StandardHead,
     "twin": TwinHead,
+    "untied": UntiedHead,
+    "mos": MoSHead,
+    "sigsoftmax": SigsoftmaxHead,
+    "moss": lambda cfg: MoSHead(cfg, sig=True),
+    "input_gate": InputGateHead,
+    "twin_input_only": TwinInputOnlyHead,
+    "twin_output_only": TwinOutputOnlyHead,
 }
 
 
-def make_head(name: str, vocab: int, d: int) -> nnx.Module:
-    if name not in HEADS:
-        raise ValueError(f"unknown head {name!r}; choose one of {sorted(HEADS)}")
-    return HEADS[name](vocab, d)
+def make_head(cfg) -> nnx.Module:
+    if cfg.head not in HEADS:
+        raise ValueError(f"unknown head {cfg.head!r}; choose one of {sorted(HEADS)}")
+    return HEADS[cfg.head](cfg)

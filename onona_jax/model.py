@@ -235,7 +235,7 @@ class Model(nnx.Module):
 
     def __init__(self, cfg):
         self.dtype = DTYPES[cfg.dtype]
-        self.head = heads_lib.make_head(cfg.head, cfg.vocab_size, cfg.d_model)
+        self.head = heads_lib.make_head(cfg)
         if cfg.arch == "attnres":
             from onona_jax.attnres import AttnResTrunk
 
@@ -272,8 +272,8 @@ class Model(nnx.Module):
         if table is None:
             h, x0 = self.hidden(tokens)
             return self.head.target_log_probs(h, x0, targets)
-        if not isinstance(self.head, heads_lib.TwinHead) or table not in ("a", "b"):
-            raise ValueError(f"one-table ablation {table!r} needs a twin head and table 'a' or 'b'")
+        if not hasattr(self.head, "B") or table not in ("a", "b"):
+            raise ValueError(f"one-table ablation {table!r} needs a two-table head and table 'a' or 'b'")
         E = (self.head.A if table == "a" else self.head.B)[...]
         h, _ = self.hidden(tokens, x0=jnp.take(E, tokens, axis=0))
         return heads_lib.standard_target_log_probs(h, E, targets)

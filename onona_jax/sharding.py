@@ -26,6 +26,12 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    # MoE expert axis replicated: an expert weight [E, d, f] shards like the dense MLP's
+    # [d, f] (f on tensor, d on fsdp), so tensor parallelism costs the same one all-reduce
+    # per layer, tokens never move between devices and E need not divide the tensor axis.
+    # ("expert", "tensor") would be expert parallelism, which needs an all-to-all of the
+    # [B, E, C, d] buffers that XLA's automatic partitioner does not do well.
+    ("expert", None),
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
@@ -36,6 +42,9 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
+    # Gated DeltaNet (gdn.py): value/key heads split like attention heads; conv taps whole
+    ("gdn_heads", "tensor"),
+    ("conv", None),
 )
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar(
@@ -105,6 +114,11 @@ def activation_rules(mesh: Mesh, rules=RULES):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_mesh():
+    """(mesh, rules) inside `activation_rules`, else None."""
+    return _ACTIVE.get()
 
 
 def constrain(x, logical: Iterable[str | None]):

@@ -23,7 +23,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import config as config_lib
-from onona_jax import heads as heads_lib
 from onona_jax import model as model_lib
 from onona_jax import optim, sharding, summary
 from onona_jax.checkpoint import Checkpoints
@@ -112,17 +111,18 @@ def setup(cfg, devices=None) -> Run:
 
     t = cfg.train
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    if t.global_batch % (t.micro_batch * dp):
+    micro = t.micro_batch or max(1, t.global_batch // dp)
+    if t.global_batch % (micro * dp):
         raise ValueError(
             f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
-            f"{t.micro_batch} × data-parallel size {dp} (mesh.data × mesh.fsdp); choose a global "
-            f"batch that is a multiple of {t.micro_batch * dp}"
+            f"{micro} × data-parallel size {dp} (mesh.data × mesh.fsdp); choose a global "
+            f"batch that is a multiple of {micro * dp}"
         )
     if t.global_batch % jax.process_count():
         raise ValueError(
             f"train.global_batch={t.global_batch} is not divisible by {jax.process_count()} processes"
         )
-    accum = t.global_batch // (t.micro_batch * dp)
+    accum = t.global_batch // (micro * dp)
 
     steps = optim.total_steps(cfg, dense_standard_params(cfg))
     if steps <= 0:
@@ -184,8 +184,8 @@ def loss_and_aux(graphdef, params, tokens, table: str | None = None):
     h, x0 = model.hidden(inputs)
     loss = -jnp.mean(model.head.target_log_probs(h, x0, targets))
     aux = {}
-    if isinstance(model.head, heads_lib.TwinHead):
-        g = jax.nn.sigmoid(heads_lib.gate_logit(x0, model.head.gate[...]))
+    if hasattr(model.head, "gate_probs"):
+        g = model.head.gate_probs(inputs)
         aux = {"gate_mean": jnp.mean(g), "gate_sq": jnp.mean(jnp.square(g))}
     return loss, aux
 
@@ -391,6 +391,8 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
 
     is_twin = cfg.model.head == "twin"
     train_step = make_train_step(run)
+    all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(t)])),
+                         out_shardings=NamedSharding(run.mesh, P()))
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     peak = peak_tflops(cfg)
@@ -424,7 +426,12 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
         pending.clear()
 
     def save(step):
-        flush()  # never save parameters that produced a non-finite loss
+        flush()  # never save parameters that produced a non-finite loss,
+        if not bool(all_finite(state)):  # nor non-finite ones behind a finite loss (an inf lr, a preemption)
+            raise NonFiniteLoss(
+                f"non-finite parameters or optimizer state after step {step}; not saving them. "
+                f"The last good checkpoint (step {ckpts.latest()}) is untouched; lower train.lr or check the data"
+            )
         ckpts.save(step, state, batches.get_state(), cfg.to_json())
 
     def validate(step, tables=(None,)):

@@ -183,12 +183,22 @@ def run_cli(*args, timeout=120):
                           text=True, timeout=timeout)
 
 
-def test_cli_unknown_config_key(tmp_path):
+@pytest.mark.parametrize("override,hint", [
+    ("train.nonexistent", "config.train has keys"),
+    ("train.setps", "did you mean config.train.steps?"),
+])
+@pytest.mark.parametrize("config_arg", [["--config=configs/paper.py:dense-tiny-standard"], []])
+def test_cli_unknown_config_key(tmp_path, override, hint, config_arg):
+    """With or without --config (the default file is loaded at flag definition), an unknown key is
+    a one-line error naming the key and where the keys are, not a traceback."""
     workdir = tmp_path / "wd"
-    p = run_cli("--config=configs/paper.py:dense-tiny-standard", "--config.train.nonexistent=1",
-                f"--workdir={workdir}")
-    assert p.returncode != 0
-    assert "nonexistent" in p.stderr, p.stderr[-2000:]
+    p = run_cli(*config_arg, f"--config.{override}=1", f"--workdir={workdir}")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, p.stderr[-3000:]
+    assert f"unknown config key config.{override}" in errors[0] and hint in errors[0], errors[0]
+    assert "onona_jax/config.py" in errors[0]
     assert not workdir.exists()
 
 
