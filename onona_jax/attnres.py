@@ -62,26 +62,36 @@ BUFFER = (None, *ACT)
 
 
 def attnres_mix(sources, query, norm_weight, eps, mask=None):
-    """h = Σ_i softmax_i(queryᵀ rmsnorm(v_i; norm_weight)) v_i over the leading axis.
+    """h = Σ_i softmax_i(queryᵀ rmsnorm(v_i; norm_weight)) v_i over the sources v_i.
 
-    sources: [S, ..., d]; query, norm_weight: [d]; mask: optional [S] bool, False = source
-    absent (a fixed-size buffer's empty slots; at least one must be True). All in fp32
-    (multiply-and-sum, no matmul, so no TF32 on GPUs); returns h [..., d] in the sources'
-    dtype. No 1/√d scale. With a zero query h is the average of the (unmasked) sources."""
-    v = sources.astype(jnp.float32)
-    keys = rms_norm(v, norm_weight.astype(jnp.float32), eps)
-    logits = jnp.sum(keys * query.astype(jnp.float32), axis=-1)  # [S, ...]
+    sources: an array [S, ..., d] or a sequence of S arrays [..., d]; query, norm_weight:
+    [d]; mask: optional [S] bool, False = source absent (a fixed-size buffer's empty slots;
+    slot 0 must be present). fp32 throughout, no 1/√d scale; returns h [..., d] in the
+    sources' dtype. With a zero query h is the plain average of the present sources.
+
+    Written source by source, with sequential sums over sources and no stacked copy of them:
+    the backward pass and XLA then keep no [S, ..., d] temporaries (an unrolled 16-layer
+    Full AttnRes needs about a quarter of the memory of the stacked form), and absent
+    sources (weight exactly 0, value 0) change no bit of the result, so a masked buffer
+    gives exactly the output of the present sources alone. Multiply-and-sum, no matmul, so
+    no TF32 on GPUs."""
+    dtype = sources[0].dtype
+    g, u = norm_weight.astype(jnp.float32), query.astype(jnp.float32)
+    values = [v.astype(jnp.float32) for v in sources]
+    logits = [jnp.sum(rms_norm(v, g, eps) * u, axis=-1) for v in values]
     if mask is not None:
-        mask = jnp.reshape(mask, mask.shape + (1,) * (logits.ndim - 1))
-        logits = jnp.where(mask, logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=0)
-    return jnp.sum(p[..., None] * v, axis=0).astype(sources.dtype)
+        logits = [logits[0]] + [jnp.where(mask[i], z, -jnp.inf) for i, z in enumerate(logits) if i > 0]
+    m = jax.lax.stop_gradient(functools.reduce(jnp.maximum, logits))
+    e = [jnp.exp(z - m) for z in logits]
+    total = functools.reduce(jnp.add, e)
+    h = functools.reduce(jnp.add, [(ei / total)[..., None] * v for ei, v in zip(e, values)])
+    return h.astype(dtype)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3,))
 def _mix_list(sources, query, norm_weight, eps):
     """AttnRes over a list of [B, T, d] sources; saves only the sources for backward."""
-    return attnres_mix(jnp.stack(sources), query, norm_weight, eps)
+    return attnres_mix(sources, query, norm_weight, eps)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3,))
@@ -89,12 +99,11 @@ def _mix_buffer(buffer, n_valid, query_and_norm, eps, extra=None, slot=None):
     """AttnRes over the first `n_valid` slots of a [S, B, T, d] buffer, after adding `extra`
     to slot `slot` when given (the sublayer output not yet written into the carried buffer:
     the backward pass then keeps the layer's input buffer once, not a second updated copy)."""
-    query, norm_weight = query_and_norm
-    S = buffer.shape[0]
+    sources = list(buffer)
     if extra is not None:
-        hit = (jnp.arange(S) == slot).reshape(S, 1, 1, 1)
-        buffer = buffer + jnp.where(hit, extra[None], jnp.zeros((), buffer.dtype))
-    return attnres_mix(buffer, query, norm_weight, eps, mask=jnp.arange(S) < n_valid)
+        sources = [jnp.where(i == slot, v + extra, v) for i, v in enumerate(sources)]
+    mask = jnp.arange(len(sources)) < n_valid
+    return attnres_mix(sources, *query_and_norm, eps, mask=mask)
 
 
 def _add_to_slot(buffer, slot, y):

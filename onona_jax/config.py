@@ -29,7 +29,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = ""
     c.seed = 0
-    c.init_from = ""  # a standard checkpoint to upcycle into a twin model (issue 5)
+    c.init_from = ""  # workdir of a standard run to upcycle from: A = B = E, body copied
 
     c.model = m = ml_collections.ConfigDict()
     m.arch = "dense"
@@ -60,7 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.moe.capacity_factor = 1.25  # training and validation
     m.moe.eval_capacity_factor = 4.0  # perplexity and downstream evaluation
     m.moe.aux_coef = 0.001  # Switch load-balancing loss, pooled over layers
-    m.moe.dispatch = "dense"  # dense (einsum) | sort
+    m.moe.dispatch = "sort"  # sort (gather; faster on CPU, scripts/bench_moe.py) | dense (einsum)
 
     m.gdn = ml_collections.ConfigDict()  # arch=gdn: Gated DeltaNet layers (SPEC §3)
     m.gdn.n_heads = 6

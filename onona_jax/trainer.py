@@ -172,21 +172,60 @@ def init_state(run: Run, seed: int):
         return jax.jit(make, out_shardings=run.state_shardings)()
 
 
+def upcycle(run: Run, state, source: str):
+    """Start a two-table model from a tied Standard checkpoint (SPEC §1, containment): A = B = E
+    and the body copied; the gate keeps its fresh init, since while A = B every gate value
+    gives the Standard model. `source` is the Standard run's workdir (its latest checkpoint)."""
+    from onona_jax import evaluation
+
+    mesh = tuple(run.mesh.shape[a] for a in sharding.MESH_AXES)
+    _, src, step, src_cfg = evaluation.load_run(source, mesh=mesh, devices=list(run.mesh.devices.flat))
+    params = state["params"]
+    if src_cfg.model.head != "standard" or set(params["head"]) < {"A", "B"}:
+        raise ValueError(
+            f"init_from={source}: upcycling copies a standard checkpoint's table into A and B; "
+            f"got a {src_cfg.model.head!r} checkpoint for a {run.cfg.model.head!r} model"
+        )
+    shapes = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+    if shapes(src["trunk"]) != shapes(params["trunk"]):
+        raise ValueError(
+            f"init_from={source}: its body ({src_cfg.name}) differs from this model's "
+            f"({run.cfg.name}) in structure or shapes; use the same arch, size and scan_layers"
+        )
+    E = src["head"]["embedding"]
+    # B is a copy: the step donates its inputs, and one buffer donated twice is freed twice.
+    head = {**params["head"], "A": E, "B": jnp.copy(E)}
+    new = jax.device_put({"trunk": src["trunk"], "head": head}, run.param_shardings)
+    print(f"upcycled from {source} (step {step}): A = B = E, body copied", file=sys.stderr)
+    return {**state, "params": new}
+
+
 # ----------------------------------------------------------------------------- steps
 
 
-def loss_and_aux(graphdef, params, tokens, table: str | None = None):
-    """Mean next-token NLL of a [b, T+1] batch, plus gate statistics for twin heads."""
+def loss_and_aux(graphdef, params, tokens, table: str | None = None, moe_coef: float = 0.0):
+    """(objective, aux) of a [b, T+1] batch: the mean next-token NLL (`aux["lm_loss"]`) plus,
+    for MoE, `moe_coef` × the load-balancing loss pooled over layers; aux also carries gate
+    statistics (two-table heads) and router statistics (MoE)."""
     model = model_lib.bind(graphdef, params)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if table is not None:
-        return -jnp.mean(model.target_log_probs(inputs, targets, table=table)), {}
-    h, x0 = model.hidden(inputs)
+        loss = -jnp.mean(model.target_log_probs(inputs, targets, table=table))
+        return loss, {"lm_loss": loss}
+    h, x0, stats = model.forward(inputs)
     loss = -jnp.mean(model.head.target_log_probs(h, x0, targets))
-    aux = {}
+    aux = {"lm_loss": loss}
     if hasattr(model.head, "gate_probs"):
         g = model.head.gate_probs(inputs)
-        aux = {"gate_mean": jnp.mean(g), "gate_sq": jnp.mean(jnp.square(g))}
+        aux.update(gate_mean=jnp.mean(g), gate_sq=jnp.mean(jnp.square(g)))
+    if "moe_assign" in stats:
+        from onona_jax import moe
+
+        balance = moe.load_balancing_loss(stats, stats["moe_assign"].shape[-1])
+        router = moe.router_stats(stats)
+        aux.update(moe_aux_loss=balance, moe_drop_fraction=router["drop_fraction"],
+                   moe_max_load=router["max_load"], moe_load=router["expert_load"])
+        loss = loss + moe_coef * balance
     return loss, aux
 
 
@@ -194,7 +233,8 @@ def accumulated_grads(run: Run, params, batch):
     """(loss, aux, grads) of a global [G, T+1] batch, averaged over `run.accum` micro-batches
     scanned in sequence (one compiled body)."""
     A = run.accum
-    grad_fn = jax.value_and_grad(lambda p, b: loss_and_aux(run.graphdef, p, b), has_aux=True)
+    coef = run.cfg.model.moe.aux_coef if run.cfg.model.arch == "moe" else 0.0
+    grad_fn = jax.value_and_grad(lambda p, b: loss_and_aux(run.graphdef, p, b, moe_coef=coef), has_aux=True)
     G, T1 = batch.shape
     # Micro-batch a takes rows a, a+A, a+2A, ...: each device keeps its own rows, and the
     # grouping does not depend on the mesh.
@@ -223,10 +263,16 @@ def make_train_step(run: Run):
         loss, aux, grads = accumulated_grads(run, params, batch)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
-        if aux:
-            metrics["gate_mean"] = aux["gate_mean"]
-            metrics["gate_std"] = jnp.sqrt(jnp.maximum(aux["gate_sq"] - aux["gate_mean"] ** 2, 0.0))
+        aux = dict(aux)
+        metrics = {"loss": aux.pop("lm_loss"), "grad_norm": optax.global_norm(grads),
+                   "lr": schedule(state["step"])}
+        if "gate_mean" in aux:
+            gate_sq = aux.pop("gate_sq")
+            metrics["gate_std"] = jnp.sqrt(jnp.maximum(gate_sq - aux["gate_mean"] ** 2, 0.0))
+        if "moe_load" in aux:  # one scalar per expert, for the log
+            load = aux.pop("moe_load")
+            metrics.update({f"moe_load_{e}": load[e] for e in range(load.shape[0])})
+        metrics.update(aux)
         return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     replicated = NamedSharding(run.mesh, P())
@@ -369,6 +415,8 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     if cfg.data.dir:  # user data: check it before writing anything
         pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size).num_windows(cfg.data.seq_len)
         pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed)
+    if cfg.init_from and not os.path.isdir(os.path.join(cfg.init_from, "checkpoints")):
+        raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     os.makedirs(workdir, exist_ok=True)
     data_dir = prepare_data(cfg, workdir)
     val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed)
@@ -384,6 +432,8 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     )
     if restored is None:
         start, state = 0, init_state(run, cfg.seed)
+        if cfg.init_from:
+            state = upcycle(run, state, cfg.init_from)
     else:
         start, state, data_state, _ = restored
         batches.set_state(data_state)
@@ -442,6 +492,8 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     result = {}
     try:
         with Preemption() as preempt, run.mesh, sharding.activation_rules(run.mesh):
+            if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
+                validate(0)
             for step in range(start + 1, run.steps + 1):
                 state, metrics = train_step(state, global_batch(run, next(batches)))
                 bar.update(1)

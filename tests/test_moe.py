@@ -37,7 +37,9 @@ def _tiny(scan: bool):
     """The 3-layer tiny MoE model's config and path-keyed init, shared by the model-level
     tests (initialising a model costs seconds of compilation on this CPU)."""
     m = _cfg()
-    m.update(n_layers=3, scan_layers=scan)
+    # A small vocabulary (below what validate allows for training) keeps init cheap; these
+    # tests are about the trunk.
+    m.update(n_layers=3, scan_layers=scan, vocab_size=1024)
     graphdef, params = model.init(m, 0)
     return m, graphdef, params
 
