@@ -1,9 +1,18 @@
 """Evaluate a trained checkpoint.
 
     python eval.py --workdir=runs/dense-small-twin [--step=N] [--output=PATH]
+    python eval.py --workdir=DIR --tasks=val,wikitext2,lambada,hellaswag,mmlu \\
+        --task_data_dir=/data/eval [--task_data=lambada=/data/lambada_test.jsonl,...]
 
-Writes JSON (val_loss and, for twin models, val_loss_a_only / val_loss_b_only, the step and
-the config name) to PATH, by default DIR/eval/step_<N>.json.
+`--tasks` (default `val`): `val` is the validation loss on the held-out windows (and, for
+twin models, val_loss_a_only / val_loss_b_only); the others are the downstream tasks of
+`onona_jax.tasks` (wikitext2, lambada, hellaswag, arc_easy, arc_challenge, piqa, boolq, sciq,
+mmlu), each read from a local file: `--task_data=name=PATH` or, failing that, the public
+release's file name under `--task_data_dir` (see `onona_jax.tasks.DEFAULT_FILES`).
+
+Writes JSON to PATH, by default DIR/eval/step_<N>.json: the config name and step, the
+validation keys at the top level as before, and under "tasks" one entry per task (its
+metrics, sample count, and the data file's path and sha256).
 """
 
 import json
@@ -20,21 +29,70 @@ flags.DEFINE_string("workdir", None, "run directory with checkpoints/", required
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
 flags.DEFINE_string("output", None, "result JSON (default: DIR/eval/step_<N>.json)")
 flags.DEFINE_list("mesh", ["-1", "1", "1"], "data,fsdp,tensor sizes of this run's mesh")
+flags.DEFINE_list("tasks", ["val"], "val and/or downstream tasks: wikitext2, lambada, hellaswag, "
+                  "arc_easy, arc_challenge, piqa, boolq, sciq, mmlu")
+flags.DEFINE_list("task_data", [], "name=PATH,... local data file (or directory, for mmlu) per task")
+flags.DEFINE_string("task_data_dir", None, "directory holding the tasks' public files under their release names")
+flags.DEFINE_integer("task_batch", 8, "rows per scoring batch (rounded up to the data-parallel size)")
+flags.DEFINE_integer("max_length", 1024, "tokens of context per scored request / rolling window")
+flags.DEFINE_integer("mmlu_shots", 5, "MMLU few-shot examples from the dev split (up to this many)")
+flags.DEFINE_integer("limit", None, "score only the first N examples of each task (quick checks)")
 FLAGS = flags.FLAGS
+
+
+def parse_task_data(items) -> dict:
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--task_data entry {item!r}: use name=PATH")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data=None, data_dir=None,
+             batch: int = 8, max_length: int = 1024, shots: int = 5, limit=None) -> dict:
+    """The combined result dict (what main writes)."""
+    from onona_jax import evaluation
+    from onona_jax.tasks.scoring import mesh_devices
+
+    names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+    downstream = [n for n in names if n != "val"]
+    if not names:
+        raise ValueError("--tasks is empty; give val and/or downstream task names")
+    devices = mesh_devices(mesh)
+    result = {}
+    paths = {}
+    if downstream:
+        from onona_jax import tasks
+
+        paths = tasks.resolve_paths(downstream, task_data, data_dir)  # fail before any restore
+    if "val" in names:
+        result = evaluation.validation(workdir, step, mesh, devices)
+        step = result["step"]  # the tasks score the same checkpoint
+    if downstream:
+        scorer = tasks.Scorer.from_workdir(workdir, step, mesh, devices, batch_size=batch,
+                                           max_length=max_length, progress=True)
+        result.setdefault("config", scorer.cfg.name)
+        result.setdefault("step", scorer.step)
+        result["tasks"] = tasks.evaluate(scorer, downstream, paths, shots=shots, limit=limit)
+    return result
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only manager won't save
-    from onona_jax import evaluation
 
     try:
         mesh = tuple(int(x) for x in FLAGS.mesh)
-        result = evaluation.validation(FLAGS.workdir, FLAGS.step, mesh)
+        result = evaluate(FLAGS.workdir, FLAGS.step, mesh, FLAGS.tasks, parse_task_data(FLAGS.task_data),
+                          FLAGS.task_data_dir, FLAGS.task_batch, FLAGS.max_length, FLAGS.mmlu_shots, FLAGS.limit)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    from onona_jax import evaluation
+
     path = FLAGS.output or os.path.join(FLAGS.workdir, "eval", f"step_{result['step']}.json")
     evaluation.write_json(result, path)
     print(json.dumps(result, indent=2))

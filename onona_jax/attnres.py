@@ -32,14 +32,17 @@ Sources are kept in the compute dtype (like Dense's residual stream); the mixing
 in fp32 and is checkpointed, so only the compute-dtype sources are kept for the backward
 pass, never fp32 copies of them.
 
-Unscanned, the sources are a Python list and each is stored once (memory O(number of
-sources)). Scanned (`scan_layers`), the sources live in a fixed buffer [1 + ceil(2L/k), B, T,
-d] carried through `lax.scan`: slot 0 holds the embedding, slot 1 + n block n (its partial
-sum while it fills, added to in place with dynamic_update_slice), and a mask hides the slots
-a sublayer may not read yet (masked slots are zero and get softmax weight exactly 0). The
-two give the same outputs up to float reassociation in the reductions; the scanned form
-keeps the carried buffer once per layer for the backward pass, O(L · (1 + ceil(2L/k)))
-stored sources instead of O(1 + ceil(2L/k)).
+Unscanned, the sources are a Python list, each stored once for the backward pass, and the
+mixing is written source by source (`_mix_list`). Scanned (`scan_layers`), the sources live
+in a fixed buffer [1 + ceil(2L/k), B, T, d] carried through `lax.scan`: slot 0 holds the
+embedding, slot 1 + n block n (its partial sum while it fills, added to in place with
+dynamic_update_slice), and a mask hides the slots a sublayer may not read yet (masked slots
+are zero and get softmax weight exactly 0). Both give the same outputs up to float
+reassociation. Costs differ: the scan keeps the carried buffer once per layer for the
+backward pass, O(L · (1 + ceil(2L/k))) stored sources, but compiles one layer; unscanned
+keeps O(1 + ceil(2L/k)) but compiles 2L mixes of up to 2L+1 sources each. Measured on CPU,
+16 layers, d=128, B·T=1024, full AttnRes, training step: XLA temp memory ≈ 1840 (scan) vs
+1600 (unscanned) [B, T, d] fp32 slots, against 920 for Dense; compile 10 s vs 120 s of CPU.
 """
 
 from __future__ import annotations
@@ -62,48 +65,46 @@ BUFFER = (None, *ACT)
 
 
 def attnres_mix(sources, query, norm_weight, eps, mask=None):
-    """h = Σ_i softmax_i(queryᵀ rmsnorm(v_i; norm_weight)) v_i over the sources v_i.
+    """h = Σ_i softmax_i(queryᵀ rmsnorm(v_i; norm_weight)) v_i over the leading axis.
 
-    sources: an array [S, ..., d] or a sequence of S arrays [..., d]; query, norm_weight:
-    [d]; mask: optional [S] bool, False = source absent (a fixed-size buffer's empty slots;
-    slot 0 must be present). fp32 throughout, no 1/√d scale; returns h [..., d] in the
-    sources' dtype. With a zero query h is the plain average of the present sources.
-
-    Written source by source, with sequential sums over sources and no stacked copy of them:
-    the backward pass and XLA then keep no [S, ..., d] temporaries (an unrolled 16-layer
-    Full AttnRes needs about a quarter of the memory of the stacked form), and absent
-    sources (weight exactly 0, value 0) change no bit of the result, so a masked buffer
-    gives exactly the output of the present sources alone. Multiply-and-sum, no matmul, so
-    no TF32 on GPUs."""
-    dtype = sources[0].dtype
-    g, u = norm_weight.astype(jnp.float32), query.astype(jnp.float32)
-    values = [v.astype(jnp.float32) for v in sources]
-    logits = [jnp.sum(rms_norm(v, g, eps) * u, axis=-1) for v in values]
+    sources: [S, ..., d]; query, norm_weight: [d]; mask: optional [S] bool, False = source
+    absent (a fixed-size buffer's empty slots; at least one must be True). fp32 throughout
+    (multiply-and-sum, no matmul, so no TF32 on GPUs), no 1/√d scale; returns h [..., d] in
+    the sources' dtype. With a zero query h is the plain average of the present sources."""
+    v = sources.astype(jnp.float32)
+    keys = rms_norm(v, norm_weight.astype(jnp.float32), eps)
+    logits = jnp.sum(keys * query.astype(jnp.float32), axis=-1)  # [S, ...]
     if mask is not None:
-        logits = [logits[0]] + [jnp.where(mask[i], z, -jnp.inf) for i, z in enumerate(logits) if i > 0]
-    m = jax.lax.stop_gradient(functools.reduce(jnp.maximum, logits))
-    e = [jnp.exp(z - m) for z in logits]
-    total = functools.reduce(jnp.add, e)
-    h = functools.reduce(jnp.add, [(ei / total)[..., None] * v for ei, v in zip(e, values)])
-    return h.astype(dtype)
+        mask = jnp.reshape(mask, mask.shape + (1,) * (logits.ndim - 1))
+        logits = jnp.where(mask, logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=0)
+    return jnp.sum(p[..., None] * v, axis=0).astype(sources.dtype)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3,))
 def _mix_list(sources, query, norm_weight, eps):
-    """AttnRes over a list of [B, T, d] sources; saves only the sources for backward."""
-    return attnres_mix(sources, query, norm_weight, eps)
+    """`attnres_mix` over a list of [B, T, d] sources, written source by source: only the
+    [S, B, T] logits are stacked, never the sources, so neither the backward pass nor XLA
+    keeps [S, B, T, d] copies (an unrolled 16-layer Full AttnRes needs about a quarter of
+    the temporary memory of the stacked form). Checkpointed: only the sources are saved."""
+    g, u = norm_weight.astype(jnp.float32), query.astype(jnp.float32)
+    logits = jnp.stack([jnp.sum(rms_norm(v.astype(jnp.float32), g, eps) * u, axis=-1) for v in sources])
+    p = jax.nn.softmax(logits, axis=0)
+    h = functools.reduce(jnp.add, [p[i][..., None] * v.astype(jnp.float32) for i, v in enumerate(sources)])
+    return h.astype(sources[0].dtype)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3,))
 def _mix_buffer(buffer, n_valid, query_and_norm, eps, extra=None, slot=None):
-    """AttnRes over the first `n_valid` slots of a [S, B, T, d] buffer, after adding `extra`
-    to slot `slot` when given (the sublayer output not yet written into the carried buffer:
-    the backward pass then keeps the layer's input buffer once, not a second updated copy)."""
-    sources = list(buffer)
+    """`attnres_mix` over the first `n_valid` slots of a [S, B, T, d] buffer, after adding
+    `extra` to slot `slot` when given (the sublayer output not yet written into the carried
+    buffer: the backward pass then keeps the layer's input buffer once, not a second updated
+    copy). Checkpointed: only the buffer (compute dtype) is saved, no fp32 copy of it."""
+    S = buffer.shape[0]
     if extra is not None:
-        sources = [jnp.where(i == slot, v + extra, v) for i, v in enumerate(sources)]
-    mask = jnp.arange(len(sources)) < n_valid
-    return attnres_mix(sources, *query_and_norm, eps, mask=mask)
+        hit = (jnp.arange(S) == slot).reshape(S, 1, 1, 1)
+        buffer = buffer + jnp.where(hit, extra[None], jnp.zeros((), buffer.dtype))
+    return attnres_mix(buffer, *query_and_norm, eps, mask=jnp.arange(S) < n_valid)
 
 
 def _add_to_slot(buffer, slot, y):

@@ -8,8 +8,9 @@ input-embedding row x0 of the same position:
 * `target_log_probs(h, x0, targets)` -> fp32 log p(target) [...] (the training loss).
 
 `target_log_probs` never builds a [tokens, V] log-probability tensor: it needs only the
-log-sum-exp of each table's logits and the target's logit. The logits themselves come out of
-the matmul in the compute dtype and every reduction runs in fp32.
+log-sum-exp of each table's logits and the target's logit. With `model.loss = "fused"` (the
+default) not even the logits exist whole: `fused.py` streams the vocabulary in tiles and
+recomputes them in the backward pass. Every reduction runs in fp32.
 """
 
 from __future__ import annotations
@@ -77,10 +78,7 @@ def standard_target_log_probs(h, E, targets):
 
 
 def twin_target_log_probs(h, x0, A, B, w, targets):
-    z = gate_logit(x0, w)
-    return mix(
-        target_log_softmax(logits(h, A), targets), target_log_softmax(logits(h, B), targets), z
-    )
+    return table_target_log_probs(h, (A, B), targets, gate_logit(x0, w))
 
 
 def sigsoftmax_scores(z: jax.Array) -> jax.Array:
@@ -134,10 +132,8 @@ def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chun
     more than a [tokens, chunk] tile of logits and shards the vocabulary on the mesh."""
     if loss == "fused":
         return fused.sharded_target_log_probs(h, tables, targets, z, chunk)
-    if len(tables) == 1:
-        return standard_target_log_probs(h, tables[0], targets)
-    A, B = tables
-    return mix(target_log_softmax(logits(h, A), targets), target_log_softmax(logits(h, B), targets), z)
+    parts = [target_log_softmax(logits(h, T), targets) for T in tables]
+    return parts[0] if len(parts) == 1 else mix(*parts, z)
 
 
 # ----------------------------------------------------------------------------- modules

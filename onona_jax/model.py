@@ -47,6 +47,32 @@ def rope(x, positions, theta):
     return out.astype(x.dtype)
 
 
+def cached_attention(q, k, v, length, start):
+    """Incremental decoding: T new queries at cache slots length..length+T−1 attend over a
+    K/V cache [B, S, n_kv, hd] (slots ≥ length+T unwritten). Key slot j is visible to query
+    slot i when start_b ≤ j ≤ i: causal, and not one of row b's `start` [B] left pads.
+    Grouped heads as `jax.nn.dot_product_attention` (query head n reads KV head n // (N/K));
+    logits and softmax in fp32, scale head_dim^-½. A query with no visible key (a pad) gets
+    a uniform average of the slots, never NaN. Returns [B, T, N, hd] in v's dtype."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    logits = jnp.einsum(
+        "btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, H), k, preferred_element_type=jnp.float32
+    )
+    logits = logits * jnp.float32(1.0 / math.sqrt(H))
+    q_slot = length + jnp.arange(T)
+    k_slot = jnp.arange(S)
+    visible = (k_slot[None, None, :] <= q_slot[None, :, None]) & (k_slot[None, None, :] >= start[:, None, None])
+    logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, N, H)
+
+
+def _zeros_stacked(cache, count: int):
+    """A zero cache with a leading `layers` axis of `count` (a scanned, stacked layer)."""
+    return jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), cache)
+
+
 # ----------------------------------------------------------------------------- layers
 
 
@@ -84,6 +110,28 @@ class Attention(nnx.Module):
             q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=self.impl
         )
         return jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(dt))
+
+    # -- incremental decoding (see Model.extend)
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        """Empty K/V buffers [batch, max_len, n_kv, head_dim] in the compute dtype."""
+        kv, hd = self.k[...].shape[-2:]
+        zeros = jnp.zeros((batch, max_len, kv, hd), dtype)
+        return {"k": zeros, "v": zeros}
+
+    def extend(self, x, positions, cache, length, start):
+        """`__call__` for T new tokens x [B, T, d] written at cache slots length..length+T−1,
+        attending over the cache (`cached_attention`). Returns (y [B, T, d], cache)."""
+        dt = x.dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
+        q = rope(self.q_norm(q), positions, self.theta)
+        k = rope(self.k_norm(k), positions, self.theta)
+        k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), length, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), length, axis=1)
+        o = cached_attention(q, k, v, length, start)
+        return jnp.einsum("btnh,nhd->btd", o.astype(dt), self.o[...].astype(dt)), {"k": k, "v": v}
 
 
 class MLP(nnx.Module):
@@ -124,6 +172,20 @@ def feed_forward(kind: str):
     raise ValueError(f"unknown feed-forward {kind!r}; use mlp or moe")
 
 
+def gdn_extend(layer, x, cache, length, start):
+    """A Gated DeltaNet mixer on T new tokens after its cache: the chunked form for a prompt,
+    `step` (the naive recurrence) for one token. Left pads (slots before `start`) get a zero
+    input: the layer has no biases, so their q, k, v are zero and they write nothing into the
+    (still zero) state and leave zeros in the conv window, exactly as if they were absent."""
+    T = x.shape[1]
+    valid = (length + jnp.arange(T))[None, :] >= start[:, None]
+    x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
+    if T == 1:
+        y, cache = layer.step(x[:, 0], cache)
+        return y[:, None], cache
+    return layer.forward(x, cache)
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x)).
 
@@ -146,6 +208,28 @@ class Block(nnx.Module):
             y, aux = y
         x = x + y
         return constrain(x, ("batch", "seq", "act_embed")), aux
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        """The mixer's decoding cache (attention: K/V buffers; GDN: conv window and state);
+        the feed-forward needs none."""
+        mixer = getattr(self, MIXER_ATTR[self.kind])
+        if self.kind == "attention":
+            return mixer.init_cache(batch, max_len, dtype)
+        return mixer.init_cache(batch, dtype)
+
+    def extend(self, x, positions, cache, length, start):
+        """`__call__` for T new tokens after `cache`: (x, cache). A MoE sees only the new
+        tokens (capacity per call): serve from `moe.eval_config`, where nothing is dropped."""
+        mixer = getattr(self, MIXER_ATTR[self.kind])
+        if self.kind == "attention":
+            y, cache = mixer.extend(self.attn_norm(x), positions, cache, length, start)
+        else:
+            y, cache = gdn_extend(mixer, self.attn_norm(x), cache, length, start)
+        x = x + y
+        y = getattr(self, self.ffn)(self.mlp_norm(x))
+        if isinstance(y, tuple):
+            y = y[0]
+        return x + y, cache
 
 
 MIXER_ATTR = {"attention": "attn", "gdn": "gdn"}
@@ -229,6 +313,98 @@ class Trunk(nnx.Module):
                 aux = add_aux(aux, a)
         return self.final_norm(x), aux
 
+    def init_cache(self, batch: int, max_len: int, dtype):
+        """Per-layer caches: a list over layers, or (scanned) the stacked group's caches with a
+        leading `layers` axis (a list over the pattern's positions when it has several)."""
+        if not self.scan:
+            return [block.init_cache(batch, max_len, dtype) for block in self.layers]
+        grouped = isinstance(self.layers, nnx.List)
+        caches = [
+            _zeros_stacked(block.init_cache(batch, max_len, dtype), block.attn_norm.weight[...].shape[0])
+            for block in (self.layers if grouped else [self.layers])
+        ]
+        return caches if grouped else caches[0]
+
+    def extend(self, x, positions, cache, length, start):
+        """`__call__` for T new tokens after `cache`: (final-normed h [B, T, d], cache)."""
+        if not self.scan:
+            new = []
+            for block, c in zip(self.layers, cache):
+                x, c = block.extend(x, positions, c, length, start)
+                new.append(c)
+            return self.final_norm(x), new
+        graphdef, stacked = nnx.split(self.layers)
+        grouped = isinstance(self.layers, nnx.List)
+
+        def body(x, xs):
+            layer_state, caches = xs
+            group = nnx.merge(graphdef, layer_state)
+            new = []
+            for block, c in zip(group if grouped else [group], caches if grouped else [caches]):
+                x, c = block.extend(x, positions, c, length, start)
+                new.append(c)
+            return x, (new if grouped else new[0])
+
+        x, cache = jax.lax.scan(body, x, (stacked, cache))
+        return self.final_norm(x), cache
+
+
+def attnres_init_cache(trunk, batch: int, max_len: int, dtype):
+    """An AttnResTrunk's decoding caches: its attention layers' K/V buffers (stacked when
+    scanned). Depth mixing reads only the same position's sources, so nothing else is kept."""
+    if trunk.scan:
+        return _zeros_stacked(trunk.layers.attn.init_cache(batch, max_len, dtype), trunk.n_layers)
+    return [layer.attn.init_cache(batch, max_len, dtype) for layer in trunk.layers]
+
+
+def attnres_extend(trunk, x, positions, cache, length, start):
+    """`AttnResTrunk.__call__` for T new tokens after `cache`: (h [B, T, d], cache).
+
+    The sources of the new positions (the embedding, completed block sums, the partial sum)
+    are built afresh, as in the full forward; only the attention sublayers read earlier
+    positions, through their K/V caches. It mirrors the trunk's own recurrence and uses its
+    mixing functions (unscanned: a list of sources; scanned: the fixed buffer
+    [1 + ceil(2L/k), B, T, d] with a mask, carried through lax.scan), so the two agree."""
+    from onona_jax.attnres import _add_to_slot, _mix_buffer, _mix_list, n_sources
+
+    k, eps = trunk.block_size, trunk.eps
+
+    def attention(layer, h, c):
+        return layer.attn.extend(layer.attn_norm(h), positions, c, length, start)
+
+    if not trunk.scan:
+        blocks, partial, new = [x], None, []
+        for i, layer in enumerate(trunk.layers):
+            for j, query in enumerate((layer.attnres.attn(), layer.attnres.mlp())):
+                h = _mix_list(blocks + ([partial] if partial is not None else []), *query, eps)
+                if j == 0:
+                    y, c = attention(layer, h, cache[i])
+                    new.append(c)
+                else:
+                    y = layer.feed_forward(h)
+                partial = y if partial is None else partial + y
+                if (2 * i + j + 1) % k == 0:  # block complete
+                    blocks, partial = blocks + [partial], None
+        sources = blocks + ([partial] if partial is not None else [])
+        return trunk.final_norm(_mix_list(sources, *trunk.final_attnres(), eps)), new
+
+    graphdef, stacked = nnx.split(trunk.layers)
+
+    def body(buffer, xs):
+        layer_state, c, i = xs
+        layer = nnx.merge(graphdef, layer_state)
+        s_attn, s_mlp = 2 * i, 2 * i + 1
+        slot_attn, slot_mlp = 1 + s_attn // k, 1 + s_mlp // k
+        h = _mix_buffer(buffer, n_sources(s_attn, k), layer.attnres.attn(), eps)
+        y_attn, c = attention(layer, h, c)
+        h = _mix_buffer(buffer, n_sources(s_mlp, k), layer.attnres.mlp(), eps, y_attn, slot_attn)
+        y_mlp = layer.feed_forward(h)
+        return _add_to_slot(_add_to_slot(buffer, slot_attn, y_attn), slot_mlp, y_mlp), c
+
+    buffer = jnp.zeros((trunk.n_slots, *x.shape), x.dtype).at[0].set(x)
+    buffer, cache = jax.lax.scan(body, buffer, (stacked, cache, jnp.arange(trunk.n_layers)))
+    return trunk.final_norm(_mix_buffer(buffer, trunk.n_slots, trunk.final_attnres(), eps)), cache
+
 
 class Model(nnx.Module):
     """A decoder family's trunk plus one of the heads of SPEC §2."""
@@ -277,6 +453,48 @@ class Model(nnx.Module):
         E = (self.head.A if table == "a" else self.head.B)[...]
         h, _ = self.hidden(tokens, x0=jnp.take(E, tokens, axis=0))
         return heads_lib.standard_target_log_probs(h, E, targets)
+
+    # -- incremental decoding (serving.py). A cache is
+    #    {"layers": per-layer caches (Trunk.init_cache), "length": slots written (int32 []),
+    #     "start": left-pad slots of each row (int32 [B])}.
+    # Rows are left-padded to a common length: row b's real tokens sit at slots start_b.. and
+    # take positions slot − start_b, its pads are invisible to attention and zero inputs to
+    # GDN, so each row decodes as if alone (the MoE sees pads too: at the evaluation capacity
+    # nothing is dropped, so they change nothing).
+
+    def init_cache(self, batch: int, max_len: int, start=None) -> dict:
+        """An empty cache for `batch` rows of at most `max_len` slots (pads included)."""
+        if isinstance(self.trunk, Trunk):
+            layers = self.trunk.init_cache(batch, max_len, self.dtype)
+        else:
+            layers = attnres_init_cache(self.trunk, batch, max_len, self.dtype)
+        start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        return {"layers": layers, "length": jnp.zeros((), jnp.int32), "start": start}
+
+    def extend(self, tokens, cache, x0=None):
+        """Run T new tokens [B, T] after `cache`: (h [B, T, d], x0 [B, T, d], cache), h and x0
+        as `forward` gives them for these positions of the whole sequence."""
+        T = tokens.shape[-1]
+        length, start = cache["length"], cache["start"]
+        positions = length + jnp.arange(T, dtype=jnp.int32)[None, :] - start[:, None]
+        if x0 is None:
+            x0 = self.head.embed(tokens)
+        x = x0.astype(self.dtype)
+        if isinstance(self.trunk, Trunk):
+            h, layers = self.trunk.extend(x, positions, cache["layers"], length, start)
+        else:
+            h, layers = attnres_extend(self.trunk, x, positions, cache["layers"], length, start)
+        return h, x0, {"layers": layers, "length": length + T, "start": start}
+
+    def prefill(self, tokens, max_len: int, start=None, x0=None):
+        """A fresh cache of `max_len` slots filled with the prompt `tokens` [B, T] (row b
+        left-padded with start_b pad tokens): (h [B, T, d], x0 [B, T, d], cache)."""
+        return self.extend(tokens, self.init_cache(tokens.shape[0], max_len, start), x0)
+
+    def decode_step(self, token, cache, x0=None):
+        """One token per row, token [B]: (h [B, d], x0 [B, d], cache)."""
+        h, x0, cache = self.extend(token[:, None], cache, None if x0 is None else x0[:, None])
+        return h[:, 0], x0[:, 0], cache
 
 
 # ----------------------------------------------------------------------------- functional API

@@ -64,26 +64,125 @@ def param_counts(cfg_model) -> dict[str, int]:
     return counts
 
 
-def output_projections(head: str) -> int:
-    """Vocabulary projections per position in training."""
-    return 2 if head == "twin" else 1
+def output_projections(head: str, mos_components: int = 2) -> int:
+    """Vocabulary projections per position in training: 2 for the heads with two output
+    softmaxes (twin, twin_output_only), K = mos_components for mos / moss (one per
+    component, through the tied table), 1 for the others."""
+    if head in ("twin", "twin_output_only"):
+        return 2
+    if head in ("mos", "moss"):
+        return int(mos_components)
+    return 1
+
+
+# Per-component parameters that are NOT matmul weights (2 FLOPs per weight per token):
+# norm weights, GDN's per-head decay parameters; AttnRes's pseudo-queries are counted per
+# source (see flops_per_token), tables and gate by the head term.
+NON_MATMUL = ("A_log", "dt_bias")
+
+
+def matmul_weights(cfg_model) -> dict[str, float]:
+    """Per component, the weights each token multiplies once in the forward pass (2 FLOPs per
+    weight): attention q/k/v/o, SwiGLU gate/up/down, the MoE router in full and top_k/E of
+    the expert weights, GDN q/k/v/gate/a/b/o and the depthwise conv taps (2·K per channel,
+    which is 2 FLOPs per tap weight too), the mos/moss context and prior projections. Norm
+    weights, A_log, dt_bias, AttnRes queries, the tables and the gate are excluded."""
+    _, state = model_lib.abstract(cfg_model)
+    out = dict.fromkeys(("attention", "mlp", "moe", "gdn", "head"), 0.0)
+    E, k = (cfg_model.moe.n_experts, cfg_model.moe.top_k) if cfg_model.arch == "moe" else (1, 1)
+    for path, var in flat_variables(state):
+        name, n = path_str(path), float(np.prod(var.shape))
+        comp, leaf = component(name), name.rsplit("/", 1)[-1]
+        if comp not in out or leaf in NON_MATMUL or (comp == "gdn" and leaf == "norm"):
+            continue
+        out[comp] += n * k / E if is_expert_weight(name) else n
+    return out
+
+
+def _pattern_counts(cfg_model) -> dict[str, int]:
+    pattern = model_lib.layer_pattern(cfg_model)
+    repeats = cfg_model.n_layers // len(pattern)
+    return {kind: repeats * pattern.count(kind) for kind in ("attention", "gdn")}
+
+
+def gdn_recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of one GDN layer's chunked gated delta rule
+    (`gdn.chunked_gated_delta_rule`), all heads; C = chunk, N = ceil(T/C) chunks, T padded
+    to N·C (the padded steps cost as much as real ones, hence the factor N·C/T):
+
+        intra  = N·C/T · H · (2C·dk [K Kᵀ] + 2C·dk [Q Kᵀ] + 2C·dv [(QKᵀ∘decay) U])
+        solve  = N·C/T · H · (C−1)(dk+dv)     [(I+A)⁻¹ on [βV, βe^γK]: forward substitution]
+        state  = N·C/T · H · 2·dk·dv · (2 + (N−1)/N)
+                 [u = U − W S₀ and the readout e^γ Q S₀ each chunk; the write S += Kᵀu for
+                  all but the last chunk, whose state is unused in training and dead code]
+
+    The C×C products are full squares, as computed (cf. attention's T×T). Elementwise
+    decay/mask work is not counted."""
+    G = cfg_model.gdn
+    H, dk, dv, C = G.n_heads, G.head_dim_k, G.head_dim_v, int(G.chunk)
+    N = -(-seq_len // C)
+    pad = N * C / seq_len
+    return {
+        "intra": pad * H * (4 * C * dk + 2 * C * dv),
+        "solve": pad * H * (C - 1) * (dk + dv),
+        "state": pad * H * 2 * dk * dv * (2 + (N - 1) / N),
+    }
+
+
+def attnres_sources(cfg_model) -> int:
+    """Sources summed over all AttnRes mixings of one token: sublayer s (0..2L−1) reads
+    1 + ceil(s/k) of them and the final AttnRes 1 + ceil(2L/k) (k = block size)."""
+    from onona_jax.attnres import n_sources
+
+    k, L = int(cfg_model.attnres.block_size), cfg_model.n_layers
+    return sum(n_sources(s, k) for s in range(2 * L + 1))
 
 
 def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
-    """Training FLOPs per token (forward + backward = 3 × forward), counting matmuls only:
-    2 FLOPs per weight of every body matmul and output projection, plus attention scores and
-    values at 2·2·T·n_heads·head_dim per layer (the full T×T square, as PaLM counts it).
-    MoE: the router plus the top_k/E active share of the expert weights (no dispatch
-    overhead, no capacity padding)."""
+    """Training FLOPs per token (forward + backward = 3 × forward), counting matmuls (and
+    dot products) only; `forward` and `train` are the totals, the other keys split the
+    forward count:
+
+    * `body_matmul`: 2 FLOPs per weight of `matmul_weights` (attention and GDN projections,
+      SwiGLU, the MoE router and the ACTIVE experts — top_k/E of them: the model's work, not
+      the E·C capacity slots a capacity-based dispatch computes, which is capacity_factor ×
+      the active expert FLOPs when every slot is filled — GDN's depthwise conv as 2·K per
+      channel, the mos/moss context projections K·d² and prior d·K).
+    * `head`: 2·V·d per output projection — 2 for twin / twin_output_only, K for mos / moss
+      (each component through the tied table), 1 otherwise — plus 2·d for a gate's dot.
+    * `attention_scores`: 4·T·n_heads·head_dim per ATTENTION layer (QKᵀ and PV over the full
+      T×T square, as PaLM counts it); GDN layers have none.
+    * `gdn_recurrence`: per GDN layer, `gdn_recurrence_flops` (intra-chunk, the triangular
+      solve, the state terms ≈ 6·H·dk·dv per token).
+    * `attnres`: 2·d per source per AttnRes mixing (the pseudo-query dot with each normed
+      source), summed over every sublayer and the final mixing (`attnres_sources`).
+    """
     m = cfg_model
+    weights = matmul_weights(m)
     counts = param_counts(m)
-    router = counts["moe"] - counts["experts"]
-    active_experts = counts["experts"] - (counts["non_embedding"] - counts["active"])
-    body_matmul = counts["attention"] + counts["mlp"] + router + active_experts
-    head = output_projections(m.head) * m.vocab_size * m.d_model
-    attention = 2 * 2 * seq_len * m.n_heads * m.head_dim * m.n_layers
-    forward = 2 * (body_matmul + head) + attention
-    return {"forward": float(forward), "train": float(3 * forward)}
+    body = 2 * sum(weights[c] for c in ("attention", "mlp", "moe", "gdn"))
+    projections = output_projections(m.head, m.mos_components)
+    head = 2 * (projections * m.vocab_size * m.d_model + weights["head"] + counts["gate"])
+    layers = _pattern_counts(m)
+    scores = 4 * seq_len * m.n_heads * m.head_dim * layers["attention"]
+    gdn = 0.0
+    if layers["gdn"]:
+        gdn_parts = gdn_recurrence_flops(m, seq_len)
+        gdn = layers["gdn"] * sum(gdn_parts.values())
+    attnres = 2 * m.d_model * attnres_sources(m) if m.arch == "attnres" else 0
+    forward = body + head + scores + gdn + attnres
+    out = {
+        "forward": float(forward),
+        "train": float(3 * forward),
+        "body_matmul": float(body),
+        "head": float(head),
+        "attention_scores": float(scores),
+        "gdn_recurrence": float(gdn),
+        "attnres": float(attnres),
+    }
+    if layers["gdn"]:
+        out["gdn_solve"] = float(layers["gdn"] * gdn_parts["solve"])
+    return out
 
 
 def summarize(cfg) -> dict:

@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import config as config_lib
 from onona_jax import model as model_lib
 from onona_jax import optim, sharding, summary
 from onona_jax.checkpoint import Checkpoints
-from onona_jax.params import flat_variables, logical_axes, path_str
+from onona_jax.params import init_params, logical_axes
 
 # Peak dense bf16 TFLOP/s per device, for model FLOPs utilisation.
 PEAK_TFLOPS = {
@@ -68,6 +69,7 @@ class Run:
     schedule: object
     steps: int
     accum: int
+    eval_steps: dict = dataclasses.field(default_factory=dict)  # table -> jitted, compiled once
 
     @property
     def dp(self) -> int:
@@ -105,7 +107,7 @@ def setup(cfg, devices=None) -> Run:
     graphdef, state = model_lib.abstract(cfg.model)
     logical = logical_axes(state)
     abstract_params = jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx_pure(state)
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state)
     )
     _check_divisible(logical, abstract_params, mesh)
 
@@ -142,12 +144,6 @@ def setup(cfg, devices=None) -> Run:
                batch_sharding, tx, schedule, steps, accum)
 
 
-def nnx_pure(state):
-    from flax import nnx
-
-    return nnx.to_pure_dict(state)
-
-
 def abstract_train_state(run: Run):
     """ShapeDtypeStructs with shardings: what Orbax restores into."""
     shapes = jax.eval_shape(lambda p: _new_state(run, p), run.abstract_params)
@@ -163,7 +159,6 @@ def _new_state(run: Run, params):
 def init_state(run: Run, seed: int):
     """Parameters and optimizer state created directly sharded on the mesh."""
     _, abstract = model_lib.abstract(run.cfg.model)
-    from onona_jax.params import init_params
 
     def make():
         return _new_state(run, init_params(abstract, seed))
@@ -319,7 +314,9 @@ def evaluate(run: Run, params, windows: np.ndarray, tables=(None,), batch: int =
     w_sharding = NamedSharding(run.mesh, P(("data", "fsdp")))
     out = {}
     for table in tables:
-        fn = make_eval_step(run, table)
+        if table not in run.eval_steps:
+            run.eval_steps[table] = make_eval_step(run, table)
+        fn = run.eval_steps[table]
         total, count = 0.0, 0.0
         for i in range(0, padded, b):
             tb = jax.make_array_from_callback((b, tokens.shape[1]), run.batch_sharding, lambda idx: tokens[i:i + b][idx])

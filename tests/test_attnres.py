@@ -283,14 +283,15 @@ def test_scanned_init_equals_unscanned():
 
 @pytest.mark.parametrize("block_size,remat", [(1, "none"), (3, "full"), (4, "dots")])
 def test_scanned_equals_unscanned(block_size, remat):
-    """Same log-probs. Block size 3 puts block boundaries between a layer's attention and
+    """Same log-probs (to fp32 reassociation: the unscanned mixing sums source by source,
+    the scanned one reduces a masked buffer; log-probs are about -11). Block size 3 puts block boundaries between a layer's attention and
     its MLP and leaves the last block partial (8 sublayers); with remat (the scan body
     checkpointed) too."""
     scanned, unscanned = _cfg(block_size, scan=True, remat=remat), _cfg(block_size, scan=False)
     p_scan = _noisy(_init(True))
     tokens = _tokens(scanned)
     np.testing.assert_allclose(_log_probs(scanned, p_scan, tokens),
-                               _log_probs(unscanned, _unstack(p_scan, 4), tokens), rtol=0, atol=1e-6)
+                               _log_probs(unscanned, _unstack(p_scan, 4), tokens), rtol=0, atol=2e-5)
 
 
 def test_scanned_gradients_equal_unscanned():
