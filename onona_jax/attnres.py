@@ -257,10 +257,4 @@ class AttnResTrunk(nnx.Module):
         return _mix_buffer(buffer, S, self.final_attnres(), eps)
 
 
-def n_attnres_params(cfg) -> int:
-    """AttnRes's own parameters: a query and a key-norm weight (d each) per sublayer and for
-    the final AttnRes."""
-    return (2 * cfg.n_layers + 1) * 2 * cfg.d_model
-
-
-__all__ = ["attnres_mix", "AttnResTrunk", "AttnResLayer", "n_sources", "n_attnres_params"]
+__all__ = ["attnres_mix", "AttnResTrunk", "AttnResLayer", "n_sources"]

@@ -2,7 +2,7 @@
 
     python -m onona_jax.bench [--size=142m|small|tiny] [--steps=5] [--output=bench.json]
         [--time_size=small] [--chunks=2048,4096,8192,16384] [--remat=none,full]
-        [--sections=memory,flops,time,data,decode]
+        [--sections=memory,flops,time,data,decode] [--override model.attention_impl=cudnn]
 
 Sections (each a table on stdout and a key of the JSON output):
 
@@ -11,11 +11,13 @@ Sections (each a table on stdout and a key of the JSON output):
   argument bytes, for standard and twin with the plain and the fused loss (and the fused
   loss at every `--chunks` size). Lowered from abstract shapes, so nothing of the model is
   allocated; exact and free of timing noise. Ratios twin/standard per loss.
-* flops   -- XLA's `cost_analysis()["flops"]` of the compiled step beside
-  `summary.flops_per_token × tokens`. XLA counts a scan body once, so this lowers with
-  `scan_layers=False` and, for the fused loss, one vocabulary tile (`loss_chunk ≥ V`; the
-  FLOPs do not depend on the chunk). The fused loss recomputes the logits in the backward
-  pass: +2·V·d FLOPs per token and table over `flops_per_token`, which counts model FLOPs.
+* flops   -- XLA's `cost_analysis()["flops"]` of the step beside `summary.flops_per_token ×
+  tokens`. XLA counts a scan body once, so this lowers with `scan_layers=False` and, for the
+  fused loss, one vocabulary tile (`loss_chunk ≥ V`; the FLOPs do not depend on the chunk).
+  The fused loss recomputes the logits in the backward pass: +2·V·d FLOPs per token and
+  table over `flops_per_token`, which counts model FLOPs. The lowered (unoptimised) module
+  shows that recompute; in the compiled one XLA may merge the one tile's forward and
+  backward logits (common-subexpression elimination), which the real chunked scan cannot.
 * time    -- step time at `--time_size` (default small, that size's own batch and sequence
   unless `--time_batch/--time_seq`), every variant compiled first and then stepped
   round-robin (the order rotating each round), so machine noise hits all alike; medians
@@ -33,6 +35,7 @@ Sections (each a table on stdout and a key of the JSON output):
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import importlib.util
@@ -65,9 +68,24 @@ PAPER_142M_TWIN_TOKENS_PER_S = 422_000  # 2×H100 (SPEC §6)
 # ----------------------------------------------------------------------------- configs
 
 
+OVERRIDES: dict = {}  # --override key=value, applied to every config (e.g. model.attention_impl)
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--override {text!r}: expected key=value")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def make_config(size, head, loss="fused", chunk=None, batch=None, seq=None, scan=True, remat=None):
     """The paper's Dense config on one device, one micro-batch of `batch` × `seq` a step."""
     cfg = config_lib.load(f"{CONFIGS}:dense-{size}-{head}")
+    if OVERRIDES:
+        cfg.update_from_flattened_dict(OVERRIDES)
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
     cfg.model.loss = loss
     if chunk:
@@ -179,8 +197,9 @@ def format_memory(mem) -> str:
 # ----------------------------------------------------------------------------- flops
 
 
-def bench_flops(size, batch, seq, log):
-    """XLA's FLOP count of the unscanned step (one vocabulary tile for the fused loss)."""
+def bench_flops(size, batch, seq, log, compiled=True):
+    """XLA's FLOP count of the unscanned step (one vocabulary tile for the fused loss): of the
+    lowered module (what the program asks for) and, with `compiled`, of the optimised one."""
     rows = {}
     for head in HEADS:
         for loss in LOSSES:
@@ -189,17 +208,19 @@ def bench_flops(size, batch, seq, log):
             cfg = make_config(size, head, loss, V if loss == "fused" else None, batch, seq, scan=False)
             t0 = time.perf_counter()
             _, lowered = lower_step(cfg)
-            xla = float(lowered.compile().cost_analysis()["flops"])
+            xla = float(lowered.cost_analysis()["flops"])
+            xla_c = float(lowered.compile().cost_analysis()["flops"]) if compiled else None
             tokens = batch * seq
             ours = model_flops_per_token(cfg) * tokens
             d = cfg.model.d_model
             recompute = (2 if head == "twin" else 1) * 2 * V * d * tokens if loss == "fused" else 0.0
             name = f"{head}/{loss}"
-            rows[name] = {"xla_flops": xla, "model_flops": ours, "xla/model": xla / ours,
-                          "fused_recompute_flops": recompute,
+            rows[name] = {"xla_flops": xla, "xla_compiled_flops": xla_c, "model_flops": ours,
+                          "xla/model": xla / ours, "fused_recompute_flops": recompute,
                           "xla/(model+recompute)": xla / (ours + recompute),
                           "compile_s": time.perf_counter() - t0}
-            log(f"  flops {size} {name}: XLA {xla:.4e}, ours {ours:.4e} ({time.perf_counter() - t0:.0f} s)")
+            log(f"  flops {size} {name}: XLA {xla:.4e} (compiled {xla_c or float('nan'):.4e}), ours {ours:.4e} "
+                f"({time.perf_counter() - t0:.0f} s)")
     ratios = {
         "model_twin/standard": rows["twin/plain"]["model_flops"] / rows["standard/plain"]["model_flops"],
         **{f"xla_{loss}_twin/standard": rows[f"twin/{loss}"]["xla_flops"] / rows[f"standard/{loss}"]["xla_flops"]
@@ -209,12 +230,15 @@ def bench_flops(size, batch, seq, log):
 
 
 def format_flops(fl) -> str:
-    lines = [f"FLOPs per train step, {fl['size']} Dense, {fl['batch']} × {fl['seq_len']} tokens "
-             "(XLA cost_analysis of the unscanned step vs summary.flops_per_token × tokens)",
-             f"  {'variant':<18}{'XLA':>12}{'ours (model)':>14}{'XLA/ours':>10}{'+recompute':>12}{'XLA/(ours+rc)':>15}"]
+    lines = [f"FLOPs per train step, {fl['size']} Dense, {fl['batch']} × {fl['seq_len']} tokens: XLA cost_analysis "
+             "of the unscanned step (lowered; compiled) vs summary.flops_per_token × tokens (model FLOPs);",
+             "  rc = the fused loss's backward recompute of the logits, 2·V·d per token and table",
+             f"  {'variant':<16}{'XLA lowered':>13}{'XLA compiled':>14}{'ours':>12}{'XLA/ours':>10}"
+             f"{'rc':>11}{'XLA/(ours+rc)':>15}"]
     for name, r in fl["rows"].items():
-        lines.append(f"  {name:<18}{r['xla_flops']:>12.4e}{r['model_flops']:>14.4e}{r['xla/model']:>10.4f}"
-                     f"{r['fused_recompute_flops']:>12.3e}{r['xla/(model+recompute)']:>15.4f}")
+        comp = f"{r['xla_compiled_flops']:>14.4e}" if r["xla_compiled_flops"] else f"{'-':>14}"
+        lines.append(f"  {name:<16}{r['xla_flops']:>13.4e}{comp}{r['model_flops']:>12.4e}{r['xla/model']:>10.4f}"
+                     f"{r['fused_recompute_flops']:>11.3e}{r['xla/(model+recompute)']:>15.4f}")
     lines += [f"    {k:<28} {v:.4f}" for k, v in fl["ratios"].items()]
     return "\n".join(lines)
 
@@ -479,12 +503,16 @@ def main(argv=None):
     ap.add_argument("--chunks", default="2048,4096,8192,16384", help="fused-loss chunks to compare ('' = default only)")
     ap.add_argument("--remat", default="none", help="comma list of model.remat for the memory table")
     ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--override", action="append", default=[], type=parse_override, metavar="KEY=VALUE",
+                    help="config override for every variant, e.g. model.attention_impl=cudnn (repeatable)")
+    ap.add_argument("--no_compiled_flops", action="store_true", help="FLOPs of the lowered module only")
     ap.add_argument("--output", default="bench.json")
     args = ap.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if set(sections) - set(SECTIONS):
         ap.error(f"--sections: choose from {SECTIONS}")
     chunks = [int(c) for c in args.chunks.split(",") if c]
+    OVERRIDES.update(dict(args.override))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
     res = {
@@ -494,6 +522,7 @@ def main(argv=None):
                     "devices": jax.device_count(), "cpus": os.cpu_count(),
                     "host": host_platform.platform(), "jax": jax.__version__},
         "default_chunk": default_chunk(),
+        "overrides": OVERRIDES,
     }
     tables = []
     if "memory" in sections:
@@ -501,7 +530,7 @@ def main(argv=None):
                                      args.remat.split(","), log)
         tables.append(format_memory(res["memory"]))
     if "flops" in sections:
-        res["flops"] = bench_flops(args.size, args.micro_batch, args.seq_len, log)
+        res["flops"] = bench_flops(args.size, args.micro_batch, args.seq_len, log, not args.no_compiled_flops)
         tables.append(format_flops(res["flops"]))
     if "time" in sections:
         res["time"] = bench_time(args.time_size, args.time_batch or None, args.time_seq or None,

@@ -15,7 +15,7 @@ from torch import nn
 
 from conftest import REPO
 from onona_jax import config, convert, model, summary
-from onona_jax.attnres import AttnResTrunk, attnres_mix, n_sources
+from onona_jax.attnres import AttnResTrunk, _mix_list, attnres_mix, n_sources
 from onona_jax.torch_ref import TwinTables
 
 PAPER = os.path.join(REPO, "configs", "paper.py")
@@ -71,7 +71,8 @@ def _log_probs(m, params, tokens):
 def test_mix_matches_naive_and_averages_at_zero_query():
     r = np.random.default_rng(1)
     S, d = 5, 32
-    v = r.standard_normal((S, 2, 3, d)).astype(np.float32) * r.uniform(0.1, 10, (S, 1, 1, 1)).astype(np.float32)
+    scales = r.uniform(0.1, 10, (S, 1, 1, 1)).astype(np.float32)  # the key norm must level these
+    v = r.standard_normal((S, 2, 3, d)).astype(np.float32) * scales
     g = (1 + 0.1 * r.standard_normal(d)).astype(np.float32)
     w = r.standard_normal(d).astype(np.float32)
     mask = np.array([True, True, False, True, False])
@@ -79,7 +80,8 @@ def test_mix_matches_naive_and_averages_at_zero_query():
     # fla naive_attnres, scale 1: softmax over sources of wᵀ rms_norm(v; g), weights on v.
     def naive(v, w, mask=None):
         v = torch.from_numpy(v)
-        logits = torch.einsum("sbtd,d->sbt", F.rms_norm(v, (d,), torch.from_numpy(g), 1e-6), torch.from_numpy(w))
+        keys = F.rms_norm(v, (d,), torch.from_numpy(g), 1e-6)
+        logits = torch.einsum("sbtd,d->sbt", keys, torch.from_numpy(w))
         if mask is not None:
             logits = logits.masked_fill(~torch.from_numpy(mask)[:, None, None], float("-inf"))
         return torch.einsum("sbt,sbtd->btd", logits.softmax(0), v).numpy()
@@ -87,10 +89,13 @@ def test_mix_matches_naive_and_averages_at_zero_query():
     np.testing.assert_allclose(attnres_mix(v, w, g, 1e-6), naive(v, w), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(attnres_mix(v, w, g, 1e-6, mask=mask), naive(v, w, mask), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(attnres_mix(v, w, g, 1e-6, mask=mask), naive(v[mask], w), rtol=1e-5, atol=1e-5)
+    # The unscanned trunk's source-by-source form (a list, only present sources).
+    np.testing.assert_allclose(_mix_list(list(v[mask]), w, g, 1e-6), naive(v[mask], w), rtol=1e-5, atol=1e-5)
     # A zero query gives the plain average of the (unmasked) sources, whatever the norm weight.
     zero = np.zeros(d, np.float32)
     np.testing.assert_allclose(attnres_mix(v, zero, g, 1e-6), v.mean(0), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(attnres_mix(v, zero, g, 1e-6, mask=mask), v[mask].mean(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_mix_list(list(v), zero, g, 1e-6), v.mean(0), rtol=1e-6, atol=1e-6)
     # bf16 sources: the mix runs in fp32 and returns bf16.
     out = attnres_mix(jnp.asarray(v, jnp.bfloat16), w, g, 1e-6)
     assert out.dtype == jnp.bfloat16
@@ -181,7 +186,7 @@ class TorchAttnRes(nn.Module):
 
     @torch.no_grad()
     def load_from_jax(self, params, m):
-        t = lambda x: torch.from_numpy(np.asarray(x, np.float32))  # noqa: E731
+        t = lambda x: torch.from_numpy(np.array(x, np.float32))  # noqa: E731
         d, n, k, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
         tr = params["trunk"]
         for i, layer in enumerate(self.layers):
@@ -284,14 +289,14 @@ def test_scanned_init_equals_unscanned():
 @pytest.mark.parametrize("block_size,remat", [(1, "none"), (3, "full"), (4, "dots")])
 def test_scanned_equals_unscanned(block_size, remat):
     """Same log-probs (to fp32 reassociation: the unscanned mixing sums source by source,
-    the scanned one reduces a masked buffer; log-probs are about -11). Block size 3 puts block boundaries between a layer's attention and
-    its MLP and leaves the last block partial (8 sublayers); with remat (the scan body
-    checkpointed) too."""
+    the scanned one reduces a masked buffer; log-probs are about -11). Block size 3 puts
+    block boundaries between a layer's attention and its MLP and leaves the last block
+    partial (8 sublayers); with remat (the scan body checkpointed) too."""
     scanned, unscanned = _cfg(block_size, scan=True, remat=remat), _cfg(block_size, scan=False)
     p_scan = _noisy(_init(True))
     tokens = _tokens(scanned)
-    np.testing.assert_allclose(_log_probs(scanned, p_scan, tokens),
-                               _log_probs(unscanned, _unstack(p_scan, 4), tokens), rtol=0, atol=2e-5)
+    ours = _log_probs(scanned, p_scan, tokens)
+    np.testing.assert_allclose(ours, _log_probs(unscanned, _unstack(p_scan, 4), tokens), rtol=0, atol=2e-5)
 
 
 def test_scanned_gradients_equal_unscanned():
@@ -301,7 +306,9 @@ def test_scanned_gradients_equal_unscanned():
 
     def grads(m, params):
         graphdef, _ = model.abstract(m)
-        loss = lambda p: -model.bind(graphdef, p).target_log_probs(tokens[:, :-1], tokens[:, 1:]).mean()  # noqa: E731
+        def loss(p):
+            return -model.bind(graphdef, p).target_log_probs(tokens[:, :-1], tokens[:, 1:]).mean()
+
         return jax.jit(jax.grad(loss))(params)
 
     g_scan, g_loop = _unstack(grads(scanned, p_scan), 4), grads(unscanned, _unstack(p_scan, 4))

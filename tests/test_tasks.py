@@ -179,7 +179,8 @@ def test_scorer_batches_and_truncates_like_single_requests(scorer, hand):
     rng = np.random.default_rng(1)
     reqs = []
     for n_ctx, n_cont in [(1, 1), (5, 3), (30, 10), (70, 5), (200, 64), (63, 1), (2, 20), (10, 2), (40, 24)]:
-        reqs.append(([int(t) for t in rng.integers(0, 50000, n_ctx)], [int(t) for t in rng.integers(0, 50000, n_cont)]))
+        reqs.append(([int(t) for t in rng.integers(0, 50000, n_ctx)],
+                     [int(t) for t in rng.integers(0, 50000, n_cont)]))
     got = scorer.loglikelihood_tokens(reqs)
     want = [(float(lp.sum()), bool(g.all())) for lp, g in
             hand([((c + x)[-(L + 1):][:-1], x) for c, x in reqs])]
@@ -187,6 +188,41 @@ def test_scorer_batches_and_truncates_like_single_requests(scorer, hand):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4) and ga == gb
     with pytest.raises(ValueError, match="exceeds max_length"):
         scorer.loglikelihood_tokens([([1], list(range(L + 1)))])
+
+
+def test_bucket_lengths():
+    from onona_jax.tasks.scoring import bucket_length
+
+    assert [bucket_length(n, 1000) for n in (1, 16, 17, 300, 600, 1000)] == [16, 16, 32, 512, 1000, 1000]
+    assert [bucket_length(n, 8) for n in (1, 8)] == [8, 8]
+
+
+def test_moe_scores_with_the_evaluation_capacity():
+    """An MoE scorer builds its model from moe.eval_config (capacity factor 4.0: nothing
+    dropped, so padding cannot change a real token's score): batched scores equal the
+    unpadded evaluation model's, one request at a time."""
+    from flax import nnx
+
+    from onona_jax import config, moe
+
+    cfg = config.load(os.path.join(REPO, "configs/paper.py:moe-tiny-twin"))
+    cfg.mesh.data = 1
+    run = trainer.setup(cfg, one_device())
+    params = trainer.init_state(run, 0)["params"]
+    sc = tasks.Scorer.from_run(run, params, cfg, batch_size=4, max_length=32)
+    factors = {m.capacity_factor for _, m in nnx.iter_graph(model_lib.bind(sc.graphdef, params))
+               if isinstance(m, moe.MoE)}
+    assert factors == {cfg.model.moe.eval_capacity_factor} == {4.0} and cfg.model.moe.capacity_factor < 4.0
+    rng = np.random.default_rng(2)
+    reqs = [([int(t) for t in rng.integers(0, 50000, n)], [int(t) for t in rng.integers(0, 50000, 3)])
+            for n in (4, 12, 29)]
+    got = sc.loglikelihood_tokens(reqs)
+    graphdef, _ = model_lib.abstract(moe.eval_config(cfg.model))
+    fn = jax.jit(lambda p, x, y: model_lib.bind(graphdef, p).target_log_probs(x, y))
+    for (ctx, cont), (ll, _) in zip(reqs, got):
+        toks = np.asarray([ctx + cont], np.int32)  # unpadded, alone
+        want = fn(params, toks[:, :-1], toks[:, 1:])[0, -len(cont):]
+        assert ll == pytest.approx(float(np.sum(want)), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- formats
@@ -244,8 +280,9 @@ def test_mmlu_formats_agree_and_prompt():
     items = mmlu.examples(a, shots=5)
     subject, ex = items[0]
     dev = a["dev"]["astronomy"]
-    assert ex.context.startswith("The following are multiple choice questions (with answers) about astronomy.\n\n"
-                                 "What is the closest star to Earth?\nA. Sirius\nB. The Sun\nC. Polaris\nD. Vega\nAnswer: B\n\n")
+    assert ex.context.startswith(
+        "The following are multiple choice questions (with answers) about astronomy.\n\n"
+        "What is the closest star to Earth?\nA. Sirius\nB. The Sun\nC. Polaris\nD. Vega\nAnswer: B\n\n")
     assert ex.context.count("\nAnswer:") == 6 and ex.context.endswith("D. Mercury\nAnswer:")
     # up to k shots: fewer dev questions than k gives them all
     a["dev"]["astronomy"] = dev[:3]
@@ -387,7 +424,8 @@ def test_mmlu_by_hand(ours, hand):
 
     correct, total, per = 0, 0, {}
     for subject in ["astronomy", "high_school_us_history"]:
-        rows = {s: list(csv.reader(open(os.path.join(PATHS["mmlu"], s, f"{subject}_{s}.csv")))) for s in ("dev", "test")}
+        rows = {s: list(csv.reader(open(os.path.join(PATHS["mmlu"], s, f"{subject}_{s}.csv"))))
+                for s in ("dev", "test")}
 
         def q(row):
             return f"{row[0].strip()}\nA. {row[1]}\nB. {row[2]}\nC. {row[3]}\nD. {row[4]}\nAnswer:"

@@ -23,10 +23,12 @@ TASK_NAMES = ("wikitext2", "lambada", "hellaswag", "arc_easy", "arc_challenge", 
 # Where `--task_data_dir=DIR` looks for each task, relative to DIR (the public releases'
 # file names); the first that exists is used.
 DEFAULT_FILES = {
-    "wikitext2": ["wikitext-2-raw/wiki.test.raw", "wiki.test.raw", "wikitext2.jsonl", "wikitext2.parquet"],
+    "wikitext2": ["wikitext-2-raw/wiki.test.raw", "wiki.test.raw", "wikitext/wiki.test.raw", "wikitext2.jsonl",
+                  "wikitext2.parquet"],
     "lambada": ["lambada_test.jsonl", "lambada_openai.jsonl", "lambada.jsonl", "lambada.parquet"],
     "hellaswag": ["hellaswag_val.jsonl", "hellaswag.jsonl", "hellaswag.parquet"],
-    "arc_easy": ["ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-Test.jsonl", "ARC-Easy-Test.jsonl", "arc_easy.jsonl", "arc_easy.parquet"],
+    "arc_easy": ["ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-Test.jsonl", "ARC-Easy-Test.jsonl", "arc_easy.jsonl",
+                 "arc_easy.parquet"],
     "arc_challenge": ["ARC-V1-Feb2018-2/ARC-Challenge/ARC-Challenge-Test.jsonl", "ARC-Challenge-Test.jsonl",
                       "arc_challenge.jsonl", "arc_challenge.parquet"],
     "piqa": ["piqa/valid.jsonl", "valid.jsonl", "piqa.jsonl", "piqa.parquet"],

@@ -115,7 +115,8 @@ def _load_records_dir(path: str):
     for split in ("dev", "test"):
         paths = _record_files(path, split)
         if not paths:
-            raise ValueError(f"mmlu: {path} has neither {split}/ (original csv) nor {split}*.jsonl/.parquet (cais/mmlu)")
+            raise ValueError(f"mmlu: {path} has neither {split}/ (original csv) "
+                             f"nor {split}*.jsonl/.parquet (cais/mmlu)")
         by_subject = defaultdict(list)
         for p in paths:
             files.append(p)

@@ -12,13 +12,26 @@ Each example becomes a context and choices; choice i is scored as the continuati
 
 each averaged over examples (ties go to the first choice, as numpy's argmax in the harness).
 
-| task | harness task | formats (records: .jsonl / .json / .parquet) | context | choices | gold |
-|---|---|---|---|---|---|
-| hellaswag | hellaswag | original `hellaswag_val.jsonl` or `Rowan/hellaswag` export: activity_label, ctx_a, ctx_b, endings, label | preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()) | preprocess(ending) | int(label) |
-| arc_easy, arc_challenge | arc_easy, arc_challenge | original `ARC-*-Test.jsonl` (question {stem, choices [{text, label}]}, answerKey) or `allenai/ai2_arc` export (question, choices {text, label}, answerKey) | "Question: {question}\\nAnswer:" | choice texts | index of answerKey in the labels |
-| piqa | piqa | `baber/piqa` export (goal, sol1, sol2, label) or the original `valid.jsonl` with its `valid-labels.lst` beside it | "Question: {goal}\\nAnswer:" | sol1, sol2 | label |
-| boolq | boolq (SuperGLUE) | original `dev.jsonl` / `google/boolq` (passage, question, answer: bool) or `super_glue` boolq export (label 0/1) | "{passage}\\nQuestion: {question}?\\nAnswer:" | "no", "yes" | answer |
-| sciq | sciq | original `test.json` (a JSON array) or `allenai/sciq` export: question, support, correct_answer, distractor1-3 | "{support.lstrip()}\\nQuestion: {question}\\nAnswer:" | distractor1, distractor2, distractor3, correct_answer | 3 |
+Per task (harness task; formats, records in .jsonl / .json / .parquet; context; choices; gold):
+
+- hellaswag (hellaswag): the original `hellaswag_val.jsonl` or the `Rowan/hellaswag` export,
+  fields activity_label, ctx_a, ctx_b, endings, label; context
+  preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()); choices
+  preprocess(ending); gold int(label).
+- arc_easy, arc_challenge (arc_easy, arc_challenge): the original `ARC-*-Test.jsonl`
+  (question {stem, choices [{text, label}]}, answerKey) or the `allenai/ai2_arc` export
+  (question, choices {text, label}, answerKey); context "Question: {question}\nAnswer:";
+  choices the choice texts; gold the index of answerKey among the labels.
+- piqa (piqa): the `baber/piqa` export (goal, sol1, sol2, label) or the original
+  `valid.jsonl` with its `valid-labels.lst` beside it; context "Question: {goal}\nAnswer:";
+  choices sol1, sol2; gold label.
+- boolq (boolq, SuperGLUE): the original `dev.jsonl` / `google/boolq` (passage, question,
+  answer: bool) or the `super_glue` boolq export (label 0/1); context
+  "{passage}\nQuestion: {question}?\nAnswer:"; choices "no", "yes"; gold answer.
+- sciq (sciq): the original `test.json` (a JSON array) or the `allenai/sciq` export
+  (question, support, correct_answer, distractor1-3); context
+  "{support.lstrip()}\nQuestion: {question}\nAnswer:"; choices distractor1, distractor2,
+  distractor3, correct_answer; gold 3.
 
 hellaswag's `preprocess` is the harness's: strip, " [title]" -> ". ", drop "[...]", "  " -> " ".
 The harness's boolq config reports only acc; we report all three for every task.
@@ -149,7 +162,8 @@ def score(scorer, examples: list[Example]) -> tuple[list[list[float]], dict]:
         k += len(ex.choices)
         lls.append(ll)
         hits["acc"] += _argmax(ll) == ex.gold
-        hits["acc_norm_bytes"] += _argmax([x / len((" " + c).encode("utf-8")) for x, c in zip(ll, ex.choices)]) == ex.gold
+        by_bytes = [x / len((" " + c).encode("utf-8")) for x, c in zip(ll, ex.choices)]
+        hits["acc_norm_bytes"] += _argmax(by_bytes) == ex.gold
         hits["acc_norm_chars"] += _argmax([x / len(c) for x, c in zip(ll, ex.choices)]) == ex.gold
     n = max(1, len(examples))
     return lls, {m: h / n for m, h in hits.items()}

@@ -119,7 +119,7 @@ def _score_fn(graphdef, chunk: int, params, tokens, targets):
     model = model_lib.bind(graphdef, params)
     h, x0 = model.hidden(tokens)
     B, T = tokens.shape
-    c = math.gcd(T, chunk)
+    c = max(d for d in range(1, min(chunk, T) + 1) if T % d == 0)  # the largest divisor of T ≤ chunk
     n = T // c
 
     def split(x):  # [B, T, ...] -> [n, B, c, ...]
