@@ -145,6 +145,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         m.n_layers % len(pattern) == 0,
         f"model.n_layers={m.n_layers} is not a multiple of the layer pattern's length {len(pattern)}",
     )
+    if m.arch == "attnres":
+        need(int(m.attnres.block_size) >= 1, f"model.attnres.block_size={m.attnres.block_size} must be ≥ 1 (1 = full AttnRes)")
+        need(pattern == ["attention"], "arch attnres supports only attention layers (model.layer_pattern)")
     if m.arch == "moe":
         need(0 < m.moe.top_k <= m.moe.n_experts, f"model.moe.top_k={m.moe.top_k} must be in 1..n_experts")
         need(m.moe.dispatch in ("dense", "sort"), f"model.moe.dispatch {m.moe.dispatch!r}: dense or sort")
