@@ -22,7 +22,9 @@ Sections (each a table on stdout and a key of the JSON output):
   unless `--time_batch/--time_seq`), every variant compiled first and then stepped
   round-robin (the order rotating each round), so machine noise hits all alike; medians
   over `--steps`. tokens/s, achieved model TFLOP/s and MFU where `trainer.peak_tflops`
-  knows the device (not on CPU). The twin/standard step-time ratio against the FLOP ratio.
+  knows the device (not on CPU). The twin/standard step-time ratio against the FLOP ratio,
+  as a ratio of medians and "paired" (the median over rounds of the two arms' time ratio in
+  the same round, which cancels load that changes between rounds).
 * data    -- tokens/s of `data.pipeline.train_batches` over the bundled corpus (prepared
   once into a temporary directory) at the timing shape and at `--size`'s training shape,
   against the fastest measured train step's consumption (target ≥ 10×) and against the
@@ -317,17 +319,26 @@ def bench_time(size, batch, seq, chunks, steps, log):
         r.update(times_s=ts, median_s=med, min_s=min(ts), tokens_per_s=batch * seq / med,
                  model_tflops_per_s=r["flops_per_step"] / med / 1e12)
         r["mfu"] = r["model_tflops_per_s"] / r["peak_tflops"] if r["peak_tflops"] else None
+    def paired(a, b):
+        """Median over rounds of a's time / b's time in the same round (shared noise)."""
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
     ratios = {}
     flop_ratio = rows["twin/plain"]["flops_per_step"] / rows["standard/plain"]["flops_per_step"]
     for loss in LOSSES:
         t = rows[f"twin/{loss}"]["median_s"] / rows[f"standard/{loss}"]["median_s"]
-        ratios[loss] = {"step_time_ratio": t, "flop_ratio": flop_ratio, "time/flop": t / flop_ratio,
+        p = paired(f"twin/{loss}", f"standard/{loss}")
+        ratios[loss] = {"step_time_ratio": t, "paired_step_time_ratio": p, "flop_ratio": flop_ratio,
+                        "time/flop": t / flop_ratio, "paired_time/flop": p / flop_ratio,
                         "met": t <= 1.03 * flop_ratio}
     fused_vs_plain = {h: rows[f"{h}/fused"]["median_s"] / rows[f"{h}/plain"]["median_s"] for h in HEADS}
+    paired_vs = {f"{a} vs {b}": paired(a, b) for a in rows for b in (f"{rows[a]['head']}/plain", f"{rows[a]['head']}/fused")
+                 if a != b and not (a.endswith("/plain") and b.endswith("/fused"))}
     best = {h: min((r["median_s"], r["chunk"]) for r in rows.values() if r["head"] == h and r["loss"] == "fused")[1]
             for h in HEADS}
     return {"size": size, "batch": batch, "seq_len": seq, "steps": steps, "device": jax.devices()[0].device_kind,
-            "rows": rows, "twin/standard": ratios, "fused/plain_time": fused_vs_plain, "best_chunk": best}
+            "rows": rows, "twin/standard": ratios, "fused/plain_time": fused_vs_plain, "paired": paired_vs,
+            "best_chunk": best}
 
 
 def format_time(tm) -> str:
@@ -339,9 +350,11 @@ def format_time(tm) -> str:
         lines.append(f"  {name:<22}{r['median_s']:>10.4f}{r['min_s']:>10.4f}{r['tokens_per_s']:>12,.0f}"
                      f"{r['model_tflops_per_s']:>10.4f}{mfu:>8}{r['temp_gib']:>10.3f}")
     for loss, r in tm["twin/standard"].items():
-        lines.append(f"    twin/standard ({loss}): step time {r['step_time_ratio']:.3f} vs FLOPs "
-                     f"{r['flop_ratio']:.3f} -> {r['time/flop']:.3f} × (target ≤ 1.03: "
-                     f"{'met' if r['met'] else 'not met'})")
+        lines.append(f"    twin/standard ({loss}): step time {r['step_time_ratio']:.3f} (paired {r['paired_step_time_ratio']:.3f})"
+                     f" vs FLOPs {r['flop_ratio']:.3f} -> {r['time/flop']:.3f} × (paired {r['paired_time/flop']:.3f};"
+                     f" target ≤ 1.03: {'met' if r['met'] else 'not met'})")
+    lines.append("    paired step-time ratios (median over rounds of time a / time b): "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in tm["paired"].items()))
     lines.append("    fused/plain step time: " + ", ".join(f"{h} {v:.3f}" for h, v in tm["fused/plain_time"].items()))
     lines.append("    fastest fused chunk: " + ", ".join(f"{h} {c}" for h, c in tm["best_chunk"].items()))
     return "\n".join(lines)
@@ -548,7 +561,7 @@ def main(argv=None):
         res["data"] = bench_data(shapes, consumption, flops_142m, log)
         tables.append(format_data(res["data"]))
     if "decode" in sections:
-        res["decode"] = bench_decode(args.time_size, max(args.steps, 3), log)
+        res["decode"] = bench_decode(args.time_size, min(max(args.steps, 3), 10), log)
         tables.append(format_decode(res["decode"]))
     res["targets"] = targets(res)
     tables.append("Targets\n" + "\n".join(

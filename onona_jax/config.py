@@ -48,7 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.remat = "none"  # none | dots | full
     m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn
     m.loss = "fused"  # fused: chunked over the vocabulary, custom VJP (fused.py) | plain
-    m.loss_chunk = 4096  # vocabulary rows per tile of the fused loss
+    m.loss_chunk = 2048  # vocabulary rows per tile of the fused loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
     m.mos_components = 2  # K of the mos / moss heads
     m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO
@@ -26,12 +27,15 @@ def family_config(data_dir: str, arch: str, head: str = "twin", **train):
     """`configs/paper.py:<arch>-tiny-<head>` with conftest.tiny_config's overrides: attention
     heads 8 (KV 4) of width 8, so heads, KV heads and widths divide every mesh axis up to 8;
     for GDN also 4 GDN heads of 16 dims (tiny has 1 of 64), so the GDN heads divide the
-    tensor axis too. A whole 8-row batch per replica (no accumulation), seq_len 32."""
+    tensor axis too, and chunk 16, so two chunks pass the state on. (Chunks of 32 or more
+    also make OpenBLAS run the UT solve's trsm multi-threaded, which on a busy 2-core
+    machine costs up to a second per call; scripts/family_bench.py --blas-threads.)
+    Batch 4 × 32 tokens, the whole batch per replica (no accumulation)."""
     cfg = config.load(os.path.join(REPO, f"configs/paper.py:{arch}-tiny-{head}"))
     cfg.model.update(n_heads=8, n_kv_heads=4, head_dim=8)
     if arch == "gdn":
-        cfg.model.gdn.update(n_heads=4, head_dim_k=16, head_dim_v=16)
-    cfg.train.update(global_batch=8, micro_batch=0, steps=40, warmup_steps=5, log_every=1,
+        cfg.model.gdn.update(n_heads=4, head_dim_k=16, head_dim_v=16, chunk=16)
+    cfg.train.update(global_batch=4, micro_batch=0, steps=40, warmup_steps=5, log_every=1,
                      eval_every=1000, checkpoint_every=1000)
     cfg.train.update(**train)
     cfg.data.update(dir=data_dir, seq_len=32)
@@ -39,11 +43,17 @@ def family_config(data_dir: str, arch: str, head: str = "twin", **train):
     return config.validate(cfg)
 
 
-def run_losses(cfg, n_steps, devices=None):
+def run_losses(cfg, n_steps, devices=None, init=None, keep_init=False):
     """Training losses of the first n steps (the schedule is that of cfg.train.steps) and the
-    final state."""
+    final state; `init`: a host copy of an initial train state to start from (placed on
+    this run's mesh) instead of `trainer.init_state`; `keep_init`: also return a host copy
+    of the initial state."""
     run = trainer.setup(cfg, devices)
-    state = trainer.init_state(run, cfg.seed)
+    if init is None:
+        state = trainer.init_state(run, cfg.seed)
+    else:
+        state = jax.device_put(init, run.state_shardings)
+    initial = jax.device_get(state) if keep_init else None  # before the step donates it
     step = trainer.make_train_step(run)
     batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
     losses = []
@@ -51,25 +61,29 @@ def run_losses(cfg, n_steps, devices=None):
         for _ in range(n_steps):
             state, m = step(state, trainer.global_batch(run, next(batches)))
             losses.append(m["loss"])
-    return np.array(jax.device_get(losses), np.float64), state
+    losses = np.array(jax.device_get(losses), np.float64)
+    return (losses, state, initial) if keep_init else (losses, state)
 
 
 _SINGLE = {}
 
 
-def single_device_losses(data_dir, arch, head):
-    """40 steps on one device, shared by the training test and the sharded test's reference."""
+def single_device_run(data_dir, arch, head):
+    """(losses of 40 steps on one device, host copy of the initial state), computed once:
+    the training test's run and the sharded test's reference."""
     key = (data_dir, arch, head)
     if key not in _SINGLE:
         cfg = family_config(data_dir, arch, head)
         cfg.mesh.data = 1
-        _SINGLE[key] = run_losses(cfg, cfg.train.steps, jax.devices()[:1])[0]
+        losses, _, initial = run_losses(cfg, cfg.train.steps, jax.devices()[:1], keep_init=True)
+        _SINGLE[key] = losses, initial if head == "twin" else None  # only twin runs sharded
     return _SINGLE[key]
 
 
 def assert_falls(losses, margin):
     first, last = float(np.mean(losses[:5])), float(np.mean(losses[-5:]))
     assert np.all(np.isfinite(losses)), losses
+    print(f"loss: mean of first 5 {first:.3f}, of last 5 {last:.3f}")
     assert last < first - margin, f"loss fell from {first:.3f} to only {last:.3f}: {losses}"
 
 
@@ -79,32 +93,43 @@ def assert_falls(losses, margin):
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_tiny_family_learns(tiny_data, arch, head):
-    """40 steps of a tiny model (batch 8 × 32 tokens, lr 3e-3): the loss falls from ≈ ln V."""
-    losses = single_device_losses(tiny_data, arch, head)
+    """40 steps of a tiny model (batch 4 × 32 tokens, lr 3e-3): the loss falls from ≈ ln V."""
+    losses, _ = single_device_run(tiny_data, arch, head)
     assert losses[0] == pytest.approx(np.log(50304), abs=0.5)
     assert_falls(losses, margin=2.0)
 
 
+@pytest.mark.parametrize(
+    "mesh", [(2, 2, 2), pytest.param((1, 2, 4), marks=pytest.mark.slow)], ids=["222", "124"]
+)
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_sharded_equals_single_device(tiny_data, arch):
-    """Twin head, 3 steps on 8 fake devices as (data, fsdp, tensor) = (2, 2, 2) and (1, 2, 4)
-    give the one-device losses. Heads 8, KV 4, GDN heads 4, FFN 192 and MoE expert width 96
-    all divide tensor = 4; MoE experts are replicated (sharding.RULES), so E need not."""
-    ref = single_device_losses(tiny_data, arch, "twin")[:3]
-    for mesh in [(2, 2, 2), (1, 2, 4)]:
-        cfg = family_config(tiny_data, arch, "twin")
-        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
-        losses, state = run_losses(cfg, 3)
-        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{arch} {mesh}")
-        if mesh == (1, 2, 4):  # the family's own parameters are sharded as the rules say
-            layers = state["params"]["trunk"]["layers"]
-            if arch == "moe":
-                assert layers["moe"]["gate"].sharding.spec == P(None, None, "fsdp", "tensor")
-            elif arch == "gdn":  # scanned group of 3 GDN + 1 attention blocks: layers/<j>/...
-                assert layers[0]["gdn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
-                assert layers[0]["gdn"]["a"].sharding.spec == P(None, "fsdp", "tensor")
-            else:
-                assert layers["attn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+def test_sharded_equals_single_device(tiny_data, arch, mesh):
+    """Twin head, 3 steps on 8 fake devices as (data, fsdp, tensor) = (2, 2, 2) — and, marked
+    slow to keep this file's default run short, (1, 2, 4) — give the one-device losses.
+    Heads 8, KV 4, GDN heads 4, FFN 192 and MoE expert width 96 all divide tensor = 4; MoE
+    experts are replicated (sharding.RULES), so E need not. (Dense on (1, 2, 4) and more
+    meshes: tests/test_train.py::test_equal_losses_across_meshes.)
+
+    The sharded run starts from the one-device run's initial state placed on the mesh (a
+    sharded init gives the same values, being keyed by path: test_train.py); this saves
+    compiling the initialisation again."""
+    ref, initial = single_device_run(tiny_data, arch, "twin")
+    cfg = family_config(tiny_data, arch, "twin")
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
+    losses, state = run_losses(cfg, 3, init=initial)
+    ref = ref[:3]
+    np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{arch} {mesh}")
+    # The family's own parameters are sharded as the rules say (leading axis: layers).
+    layers = state["params"]["trunk"]["layers"]
+    if arch == "moe":
+        assert layers["moe"]["gate"].sharding.spec == P(None, None, "fsdp", "tensor")
+        assert layers["moe"]["down"].sharding.spec == P(None, None, "tensor", "fsdp")
+    elif arch == "gdn":  # a scanned group of 3 GDN + 1 attention blocks: layers/<j>/...
+        assert layers[0]["gdn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+        assert layers[0]["gdn"]["a"].sharding.spec == P(None, "fsdp", "tensor")
+        assert layers[3]["attn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+    else:
+        assert layers["attn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +160,7 @@ def _xla_forward_flops(cfg, B, T):
     """XLA's FLOP count of the compiled forward loss, and of the trunk alone, on abstract
     parameters (nothing allocated)."""
     graphdef, state = model.abstract(cfg.model)
-    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), trainer.nnx_pure(state))
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
     tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
     x = jax.ShapeDtypeStruct((B, T, cfg.model.d_model), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))

@@ -33,6 +33,7 @@ def test_upcycled_twin_starts_at_the_standard_loss(tiny_data, tmp_path):
         assert (a == b).all()
 
 
+@pytest.mark.slow
 def test_upcycling_refuses_a_twin_source(tiny_data, tmp_path):
     cfg = tiny_config(tiny_data, head="twin", steps=1)
     cfg.mesh.data = 8
