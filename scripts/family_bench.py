@@ -14,17 +14,16 @@ lowered from abstract shapes with and without `scan_layers` (as scripts/compile_
 Batches are random tokens: the step's work does not depend on their values (MoE capacity
 buffers have fixed shapes). Prints a Markdown table and writes JSON with `--output`.
 
-`--gdn-blas1` adds a GDN variant per head whose steps run with OpenBLAS limited to one thread
-(threadpoolctl): GDN's UT-transform triangular solve is a LAPACK trsm call on CPU, and for
-chunks of 32 or more OpenBLAS runs it multi-threaded, which on a loaded 2-core machine can
-cost up to a second per call (gdn.chunked_gated_delta_rule forward at 8×32 tokens, 4 heads
-of 16: 1.0 s with the default threads, 3 ms with one).
+On a machine with few cores, pin the process to one core (`taskset -c 0 python ...`):
+GDN's UT-transform solve is a batched LAPACK trsm on CPU, and jaxlib 0.10 splits a batch
+over XLA's intra-op thread pool and blocks waiting for it; on 2 cores that made the GDN
+step about 2× slower than on one and once deadlocked (two calls in flight, both pool
+threads waiting). With one core the pool has one thread and the solve runs inline.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -35,7 +34,7 @@ import time
 import jax
 import numpy as np
 
-from onona_jax import config, summary, trainer
+from onona_jax import config, sharding, summary, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("dense", "moe", "gdn", "attnres")
@@ -62,12 +61,11 @@ def compile_seconds(cfg) -> float:
 
 
 class Variant:
-    """One family × head: its compiled step, live state and a fixed random batch;
-    `blas_threads`: run its steps with OpenBLAS limited to that many threads."""
+    """One family × head: its compiled step, live state and a fixed random batch."""
 
-    def __init__(self, arch, size, head, seed=0, blas_threads=None):
-        self.arch, self.head, self.blas_threads = arch, head, blas_threads
-        self.label = f"{arch}-{size}-{head}" + (f" (BLAS {blas_threads} thread)" if blas_threads else "")
+    def __init__(self, arch, size, head, seed=0):
+        self.arch, self.head = arch, head
+        self.label = f"{arch}-{size}-{head}"
         self.cfg = cfg = load(arch, size, head)
         self.run = trainer.setup(cfg, jax.devices()[:1])
         self.state = trainer.init_state(self.run, cfg.seed)
@@ -82,13 +80,8 @@ class Variant:
         self.flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
 
     def step(self) -> float:
-        limit = contextlib.nullcontext()
-        if self.blas_threads:
-            import threadpoolctl
-
-            limit = threadpoolctl.threadpool_limits(self.blas_threads, user_api="blas")
         start = time.perf_counter()
-        with limit, self.run.mesh:
+        with self.run.mesh, sharding.activation_rules(self.run.mesh):  # as trainer.train
             self.state, metrics = self.step_fn(self.state, self.batch)
             jax.block_until_ready((self.state, metrics))
         elapsed = time.perf_counter() - start
@@ -96,14 +89,11 @@ class Variant:
         return elapsed
 
 
-def bench(size, families, heads, steps, warmup, compile_times=True, gdn_blas1=False, log=print):
-    specs = [(arch, head, None) for head in heads for arch in families]
-    if gdn_blas1:
-        specs += [("gdn", head, 1) for head in heads]
+def bench(size, families, heads, steps, warmup, compile_times=True, log=print):
     variants = []
-    for arch, head, threads in specs:
+    for arch, head in [(arch, head) for head in heads for arch in families]:
         start = time.perf_counter()
-        v = Variant(arch, size, head, blas_threads=threads)
+        v = Variant(arch, size, head)
         for _ in range(warmup + 1):  # the first call compiles
             v.step()
         log(f"{v.label}: ready in {time.perf_counter() - start:.1f} s")
@@ -116,19 +106,17 @@ def bench(size, families, heads, steps, warmup, compile_times=True, gdn_blas1=Fa
     for v in variants:
         median = statistics.median(v.times)
         rows.append(dict(
-            arch=v.arch, head=v.head, config=v.label, blas_threads=v.blas_threads,
+            arch=v.arch, head=v.head, config=v.label,
             non_embedding=v.non_embedding, active=v.active, train_flops_per_token=v.flops,
             global_batch=v.cfg.train.global_batch, seq_len=v.cfg.data.seq_len,
             step_s_median=median, step_s_min=min(v.times), steps=len(v.times),
             tokens_per_s=v.tokens / median, final_loss=v.loss,
         ))
     for r in rows:
-        dense = next(d for d in rows if d["arch"] == "dense" and d["head"] == r["head"] and not d["blas_threads"])
+        dense = next(d for d in rows if d["arch"] == "dense" and d["head"] == r["head"])
         r["vs_dense"] = r["step_s_median"] / dense["step_s_median"]
     if compile_times:
         for r in rows:
-            if r["blas_threads"]:  # the same program as the plain variant
-                continue
             for scan in (True, False):
                 key = "compile_s_scan" if scan else "compile_s_unrolled"
                 r[key] = compile_seconds(load(r["arch"], size, r["head"], scan))
@@ -146,10 +134,8 @@ def markdown(rows) -> str:
     for r in rows:
         line = (f"| {r['config']} | {r['non_embedding']:,} | {r['train_flops_per_token'] / 1e9:.4f} | "
                 f"{r['step_s_median'] * 1e3:.0f} ms | {r['vs_dense']:.2f} | {r['tokens_per_s']:,.0f} |")
-        if has_compile and "compile_s_scan" in r:
+        if has_compile:
             line += f" {r['compile_s_scan']:.1f} s | {r['compile_s_unrolled']:.1f} s |"
-        elif has_compile:
-            line += " (same) | (same) |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -162,22 +148,21 @@ def main(argv=None):
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--heads", default=",".join(HEADS))
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time measurements")
-    ap.add_argument("--gdn-blas1", action="store_true",
-                    help="also time GDN with OpenBLAS limited to one thread (needs threadpoolctl)")
     ap.add_argument("--output", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
     families, heads = args.families.split(","), args.heads.split(",")
     if "dense" not in families:
         ap.error("--families must include dense (the ratios are to it)")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    rows = bench(args.size, families, heads, args.steps, args.warmup, not args.no_compile, args.gdn_blas1, log)
+    rows = bench(args.size, families, heads, args.steps, args.warmup, not args.no_compile, log)
     table = markdown(rows)
     print(table)
     if args.output:
         meta = dict(
             date=datetime.date.today().isoformat(), command=" ".join(["python", *sys.argv]),
             size=args.size, steps=args.steps, warmup=args.warmup, backend=jax.default_backend(),
-            device=jax.devices()[0].device_kind, cpu_count=os.cpu_count(), jax=jax.__version__,
+            device=jax.devices()[0].device_kind, cpu_count=os.cpu_count(),
+            cpus_usable=len(os.sched_getaffinity(0)), jax=jax.__version__,
         )
         with open(args.output, "w") as f:
             json.dump({**meta, "rows": rows, "markdown": table}, f, indent=2)

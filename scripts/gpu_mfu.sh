@@ -16,7 +16,16 @@
 # a few minutes on an H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the repo, installed or not
+PY=${PYTHON:-python3}
+# The lent H200 image has jax/flax/optax/orbax/tiktoken but (as of 2026-11) not ml_collections or
+# grain: carry their wheels (see /work/.library/device/README.md) and pip-install them first.
+"$PY" -c 'import jax, flax, optax, orbax.checkpoint, grain, tiktoken, ml_collections' || {
+    echo "missing Python packages (above); install them, then rerun" >&2; exit 3; }
 
+SIZE=${SIZE:-142m}               # SIZE=tiny BATCH=8 SEQ=32 STEPS=2: a CPU smoke test of this script
+BATCH=${BATCH:-16}
+SEQ=${SEQ:-1024}
 STEPS=${STEPS:-50}
 OUT=${OUT:-gpu_mfu.json}
 CHUNKS=${CHUNKS:-}              # e.g. CHUNKS=4096,8192 to time fused-loss tiles too
@@ -27,16 +36,16 @@ args=()
 [[ -n "${REMAT:-}" ]] && args+=(--override "model.remat=${REMAT}")
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python -c 'import jax; print("jax", jax.__version__, jax.devices())'
+"$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())'
 
-python -m onona_jax.bench \
+"$PY" -m onona_jax.bench \
     --sections="${SECTIONS}" \
-    --size=142m --micro_batch=16 --seq_len=1024 \
-    --time_size=142m --time_batch=16 --time_seq=1024 \
+    --size="${SIZE}" --micro_batch="${BATCH}" --seq_len="${SEQ}" \
+    --time_size="${SIZE}" --time_batch="${BATCH}" --time_seq="${SEQ}" \
     --steps="${STEPS}" --chunks="${CHUNKS}" \
     "${args[@]}" --output="${OUT}"
 
-python - "${OUT}" <<'EOF'
+"$PY" - "${OUT}" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
 for name in ("twin/fused", "standard/fused", "twin/plain", "standard/plain"):
@@ -44,6 +53,6 @@ for name in ("twin/fused", "standard/fused", "twin/plain", "standard/plain"):
     mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
     print(f"{name:<16} {row['tokens_per_s']:>12,.0f} tokens/s   MFU {mfu}   median step {row['median_s'] * 1e3:.1f} ms")
 t = r["time"]["rows"]["twin/fused"]
-print("TARGET >= 45% MFU, 142M twin on one H200:",
+print(f"TARGET >= 45% MFU, {r['time']['size']} twin on one {r['machine']['device']}:",
       "not measured (no peak for this device)" if t["mfu"] is None else ("met" if t["mfu"] >= 0.45 else "not met"))
 EOF

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO
-from onona_jax import config, model, summary, trainer
+from onona_jax import config, model, sharding, summary, trainer
 from onona_jax.data import pipeline
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
@@ -27,14 +27,16 @@ def family_config(data_dir: str, arch: str, head: str = "twin", **train):
     """`configs/paper.py:<arch>-tiny-<head>` with conftest.tiny_config's overrides: attention
     heads 8 (KV 4) of width 8, so heads, KV heads and widths divide every mesh axis up to 8;
     for GDN also 4 GDN heads of 16 dims (tiny has 1 of 64), so the GDN heads divide the
-    tensor axis too, and chunk 16, so two chunks pass the state on. (Chunks of 32 or more
-    also make OpenBLAS run the UT solve's trsm multi-threaded, which on a busy 2-core
-    machine costs up to a second per call; scripts/family_bench.py --blas-threads.)
+    tensor axis too, and chunk 8, so four chunks pass the state on and the UT solve's LAPACK
+    batch (chunks × rows × heads matrices of C² · (dk+dv) FLOPs: 131k here) stays under the
+    200k FLOPs above which jaxlib 0.10 splits a batched trsm over XLA's intra-op thread pool
+    and blocks waiting for it — on a 2-core machine two such calls in flight can deadlock
+    (seen with chunk 64) and one is slow.
     Batch 4 × 32 tokens, the whole batch per replica (no accumulation)."""
     cfg = config.load(os.path.join(REPO, f"configs/paper.py:{arch}-tiny-{head}"))
     cfg.model.update(n_heads=8, n_kv_heads=4, head_dim=8)
     if arch == "gdn":
-        cfg.model.gdn.update(n_heads=4, head_dim_k=16, head_dim_v=16, chunk=16)
+        cfg.model.gdn.update(n_heads=4, head_dim_k=16, head_dim_v=16, chunk=8)
     cfg.train.update(global_batch=4, micro_batch=0, steps=40, warmup_steps=5, log_every=1,
                      eval_every=1000, checkpoint_every=1000)
     cfg.train.update(**train)
@@ -57,7 +59,7 @@ def run_losses(cfg, n_steps, devices=None, init=None, keep_init=False):
     step = trainer.make_train_step(run)
     batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
     losses = []
-    with run.mesh:
+    with run.mesh, sharding.activation_rules(run.mesh):  # as trainer.train runs its steps
         for _ in range(n_steps):
             state, m = step(state, trainer.global_batch(run, next(batches)))
             losses.append(m["loss"])

@@ -268,16 +268,16 @@ def train_losses(cfg, n_steps, devices=None):
 
 
 def test_training_fused_equals_plain_one_device(tiny_data):
-    """20 steps of the tiny twin model (AdamW, 4 accumulated micro-batches a step).
+    """20 steps of the tiny twin model (AdamW, 4 accumulated micro-batches a step): the
+    free-running losses agree within 1e-5 relative at every step, and, teacher-forced at
+    steps 11-20 (the fused step run from the plain run's state), loss and gradient norm too.
 
-    Free-running, each arm from its own state: within 1e-5 for the first 10 steps and 1e-4
-    over all 20; teacher-forced at steps 11-20 (the fused step run from the plain run's
-    state), loss and gradient norm agree within 1e-5 relative. The looser free-running bound
-    is AdamW's, not the loss's: its update g/(√v + ε) turns fp32 rounding in gradient entries near ε into O(lr) parameter differences (measured: the
-    gradients of the two arms from one state agree to ≤ 4e-6 of scale, yet their Adam updates
-    differ by up to 5e-2 of scale at step 1), and the difference compounds; two *fused* runs
-    that differ only in the chunk (4096 vs 8192, i.e. summation order) drift apart by the same
-    ~1e-5 at step 20.
+    Measured on the 2-core CPU: free-running drift ≤ 1.1e-7 for 14 steps, then growing to
+    5.1e-6 at step 20; teacher-forced ≤ 1.2e-7 (loss) and 1.8e-7 (gradient norm). The growth
+    is AdamW's, not the loss's: g/(√v + ε) turns fp32 rounding in gradient entries near ε into
+    O(lr) parameter differences that compound (two *fused* runs that differ only in the chunk,
+    4096 vs 8192, i.e. summation order, drift apart by 6.1e-6 at step 20). So the free-running
+    1e-5 bound at step 20 sits ~2× above that floor; the teacher-forced check is the tight one.
     """
     steps = {}
     for loss in ("plain", "fused"):
@@ -295,7 +295,7 @@ def test_training_fused_equals_plain_one_device(tiny_data):
     with run.mesh, sharding.activation_rules(run.mesh):
         for i in range(20):
             batch = trainer.global_batch(run, next(batches))
-            if i >= 10:  # teacher-forced where the free-running bound is loosened
+            if i >= 10:  # teacher-forced where the free-running drift grows
                 _, m_forced = steps["fused"](copy(states["plain"]), batch)
             metrics = {}
             for k in steps:
@@ -306,8 +306,7 @@ def test_training_fused_equals_plain_one_device(tiny_data):
     plain, fused_ = np.array(free["plain"]), np.array(free["fused"])
     assert plain[-1] < plain[0] - 0.5  # it learns
     assert np.max(np.abs(forced)) <= 1e-5, forced
-    np.testing.assert_allclose(fused_[:10], plain[:10], rtol=1e-5)
-    np.testing.assert_allclose(fused_, plain, rtol=1e-4)
+    np.testing.assert_allclose(fused_, plain, rtol=1e-5)
 
 
 def test_training_fused_equals_plain_on_mesh(tiny_data):
