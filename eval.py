@@ -67,14 +67,14 @@ def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data
         from onona_jax import tasks
 
         paths = tasks.resolve_paths(downstream, task_data, data_dir)  # fail before any restore
+    loaded = evaluation.load_run(workdir, step, mesh, devices)  # one restore serves every task
+    run, params, step, cfg = loaded
     if "val" in names:
-        result = evaluation.validation(workdir, step, mesh, devices)
-        step = result["step"]  # the tasks score the same checkpoint
+        result = evaluation.validation(workdir, mesh=mesh, devices=devices, loaded=loaded)
     if downstream:
-        scorer = tasks.Scorer.from_workdir(workdir, step, mesh, devices, batch_size=batch,
-                                           max_length=max_length, progress=True)
-        result.setdefault("config", scorer.cfg.name)
-        result.setdefault("step", scorer.step)
+        scorer = tasks.Scorer.from_run(run, params, cfg, batch_size=batch, max_length=max_length, progress=True)
+        result.setdefault("config", cfg.name)
+        result.setdefault("step", step)
         result["tasks"] = tasks.evaluate(scorer, downstream, paths, shots=shots, limit=limit)
     return result
 

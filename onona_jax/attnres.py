@@ -198,8 +198,34 @@ class AttnResTrunk(nnx.Module):
         return n_sources(2 * self.n_layers, self.block_size)
 
     def __call__(self, x, positions):
-        h = self._scanned(x, positions) if self.scan else self._unrolled(x, positions)
+        h, _ = self._mix(x, lambda layer, h, c: (layer.attention(h, positions), c), None)
         return self.final_norm(h), {}
+
+    # -- incremental decoding (Model.extend). Depth mixing reads only the same position's
+    #    sources, so the caches are the attention layers' K/V buffers alone; the sources of the
+    #    new positions are built afresh by the same recurrence as the full forward.
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        """The attention layers' caches: a list over layers, or stacked (scanned)."""
+        if self.scan:
+            from onona_jax.model import _zeros_stacked
+
+            return _zeros_stacked(self.layers.attn.init_cache(batch, max_len, dtype), self.n_layers)
+        return [layer.attn.init_cache(batch, max_len, dtype) for layer in self.layers]
+
+    def extend(self, x, positions, cache, length, start):
+        """`__call__` for T new tokens after `cache`: (final-normed h [B, T, d], cache)."""
+        def attend(layer, h, c):
+            return layer.attn.extend(layer.attn_norm(h), positions, c, length, start)
+
+        h, cache = self._mix(x, attend, cache)
+        return self.final_norm(h), cache
+
+    # -- the recurrence. `attend(layer, h, c) -> (y, c)` runs a layer's attention sublayer
+    #    with its per-layer carry c (a decoding cache; None in the full forward).
+
+    def _mix(self, x, attend, caches):
+        return (self._scanned if self.scan else self._unrolled)(x, attend, caches)
 
     def _checkpointed(self, fn):
         if self.remat == "none":
@@ -207,54 +233,58 @@ class AttnResTrunk(nnx.Module):
         return jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])
 
     # Unscanned: the recurrence over a list of completed blocks and the current partial sum.
-    def _unrolled(self, x, positions):
+    def _unrolled(self, x, attend, caches):
         k, eps = self.block_size, self.eps
+        caches = [None] * self.n_layers if caches is None else caches
 
-        def layer_fn(layer, blocks, partial, s):
-            """Sublayers s (attention) and s + 1 (MLP); returns the new (blocks, partial)."""
-            for j, (params, run) in enumerate(
-                [(layer.attnres.attn, lambda h: layer.attention(h, positions)),
-                 (layer.attnres.mlp, layer.feed_forward)]
-            ):
+        def layer_fn(layer, blocks, partial, c, s):
+            """Sublayers s (attention) and s + 1 (MLP); returns the new (blocks, partial, c)."""
+            for j, params in enumerate((layer.attnres.attn, layer.attnres.mlp)):
                 sources = blocks + ([partial] if partial is not None else [])
-                y = run(_mix_list(sources, *params(), eps))
+                h = _mix_list(sources, *params(), eps)
+                if j == 0:
+                    y, c = attend(layer, h, c)
+                else:
+                    y = layer.feed_forward(h)
                 partial = y if partial is None else partial + y
                 if (s + j + 1) % k == 0:  # block complete
                     blocks, partial = blocks + [partial], None
-            return blocks, partial
+            return blocks, partial, c
 
-        blocks, partial = [x], None  # b_0 = the token embedding, a source of its own
+        blocks, partial, new = [x], None, []  # b_0 = the token embedding, a source of its own
         for i, layer in enumerate(self.layers):
             fn = self._checkpointed(functools.partial(layer_fn, s=2 * i))
-            blocks, partial = fn(layer, blocks, partial)
+            blocks, partial, c = fn(layer, blocks, partial, caches[i])
+            new.append(c)
         sources = blocks + ([partial] if partial is not None else [])
         assert len(sources) == self.n_slots
-        return _mix_list(sources, *self.final_attnres(), eps)
+        return _mix_list(sources, *self.final_attnres(), eps), new
 
     # Scanned: the same recurrence on a fixed buffer of slots with a mask.
-    def _scanned(self, x, positions):
+    def _scanned(self, x, attend, caches):
         k, eps, S = self.block_size, self.eps, self.n_slots
 
-        def layer_fn(layer, buffer, i):
+        def layer_fn(layer, buffer, c, i):
             s_attn, s_mlp = 2 * i, 2 * i + 1
             slot_attn, slot_mlp = 1 + s_attn // k, 1 + s_mlp // k
             h = _mix_buffer(buffer, n_sources(s_attn, k), layer.attnres.attn(), eps)
-            y_attn = layer.attention(h, positions)
+            y_attn, c = attend(layer, h, c)
             h = _mix_buffer(buffer, n_sources(s_mlp, k), layer.attnres.mlp(), eps, y_attn, slot_attn)
             y_mlp = layer.feed_forward(h)
             buffer = _add_to_slot(_add_to_slot(buffer, slot_attn, y_attn), slot_mlp, y_mlp)
-            return constrain(buffer, BUFFER)
+            return constrain(buffer, BUFFER), c
 
         apply = self._checkpointed(layer_fn)
         graphdef, stacked = nnx.split(self.layers)
 
         def body(buffer, xs):
-            layer_state, i = xs
-            return apply(nnx.merge(graphdef, layer_state), buffer, i), None
+            layer_state, c, i = xs
+            return apply(nnx.merge(graphdef, layer_state), buffer, c, i)
 
         buffer = jnp.zeros((S, *x.shape), x.dtype).at[0].set(x)
-        buffer, _ = jax.lax.scan(body, constrain(buffer, BUFFER), (stacked, jnp.arange(self.n_layers)))
-        return _mix_buffer(buffer, S, self.final_attnres(), eps)
+        xs = (stacked, caches, jnp.arange(self.n_layers))
+        buffer, caches = jax.lax.scan(body, constrain(buffer, BUFFER), xs)
+        return _mix_buffer(buffer, S, self.final_attnres(), eps), caches
 
 
 __all__ = ["attnres_mix", "AttnResTrunk", "AttnResLayer", "n_sources"]

@@ -34,10 +34,12 @@ def data_dir(cfg, workdir: str) -> str:
     return cfg.data.dir or os.path.join(workdir, "data")
 
 
-def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None) -> dict:
+def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, loaded=None) -> dict:
+    """`loaded`: a `load_run` result to evaluate instead of restoring (eval.py restores once
+    for the validation loss and the downstream tasks)."""
     from onona_jax.data import pipeline
 
-    run, params, step, cfg = load_run(workdir, step, mesh, devices)
+    run, params, step, cfg = loaded or load_run(workdir, step, mesh, devices)
     windows = pipeline.validation_windows(
         data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed
     )

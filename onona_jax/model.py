@@ -349,63 +349,6 @@ class Trunk(nnx.Module):
         return self.final_norm(x), cache
 
 
-def attnres_init_cache(trunk, batch: int, max_len: int, dtype):
-    """An AttnResTrunk's decoding caches: its attention layers' K/V buffers (stacked when
-    scanned). Depth mixing reads only the same position's sources, so nothing else is kept."""
-    if trunk.scan:
-        return _zeros_stacked(trunk.layers.attn.init_cache(batch, max_len, dtype), trunk.n_layers)
-    return [layer.attn.init_cache(batch, max_len, dtype) for layer in trunk.layers]
-
-
-def attnres_extend(trunk, x, positions, cache, length, start):
-    """`AttnResTrunk.__call__` for T new tokens after `cache`: (h [B, T, d], cache).
-
-    The sources of the new positions (the embedding, completed block sums, the partial sum)
-    are built afresh, as in the full forward; only the attention sublayers read earlier
-    positions, through their K/V caches. It mirrors the trunk's own recurrence and uses its
-    mixing functions (unscanned: a list of sources; scanned: the fixed buffer
-    [1 + ceil(2L/k), B, T, d] with a mask, carried through lax.scan), so the two agree."""
-    from onona_jax.attnres import _add_to_slot, _mix_buffer, _mix_list, n_sources
-
-    k, eps = trunk.block_size, trunk.eps
-
-    def attention(layer, h, c):
-        return layer.attn.extend(layer.attn_norm(h), positions, c, length, start)
-
-    if not trunk.scan:
-        blocks, partial, new = [x], None, []
-        for i, layer in enumerate(trunk.layers):
-            for j, query in enumerate((layer.attnres.attn(), layer.attnres.mlp())):
-                h = _mix_list(blocks + ([partial] if partial is not None else []), *query, eps)
-                if j == 0:
-                    y, c = attention(layer, h, cache[i])
-                    new.append(c)
-                else:
-                    y = layer.feed_forward(h)
-                partial = y if partial is None else partial + y
-                if (2 * i + j + 1) % k == 0:  # block complete
-                    blocks, partial = blocks + [partial], None
-        sources = blocks + ([partial] if partial is not None else [])
-        return trunk.final_norm(_mix_list(sources, *trunk.final_attnres(), eps)), new
-
-    graphdef, stacked = nnx.split(trunk.layers)
-
-    def body(buffer, xs):
-        layer_state, c, i = xs
-        layer = nnx.merge(graphdef, layer_state)
-        s_attn, s_mlp = 2 * i, 2 * i + 1
-        slot_attn, slot_mlp = 1 + s_attn // k, 1 + s_mlp // k
-        h = _mix_buffer(buffer, n_sources(s_attn, k), layer.attnres.attn(), eps)
-        y_attn, c = attention(layer, h, c)
-        h = _mix_buffer(buffer, n_sources(s_mlp, k), layer.attnres.mlp(), eps, y_attn, slot_attn)
-        y_mlp = layer.feed_forward(h)
-        return _add_to_slot(_add_to_slot(buffer, slot_attn, y_attn), slot_mlp, y_mlp), c
-
-    buffer = jnp.zeros((trunk.n_slots, *x.shape), x.dtype).at[0].set(x)
-    buffer, cache = jax.lax.scan(body, buffer, (stacked, cache, jnp.arange(trunk.n_layers)))
-    return trunk.final_norm(_mix_buffer(buffer, trunk.n_slots, trunk.final_attnres(), eps)), cache
-
-
 class Model(nnx.Module):
     """A decoder family's trunk plus one of the heads of SPEC §2."""
 
@@ -464,10 +407,7 @@ class Model(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, start=None) -> dict:
         """An empty cache for `batch` rows of at most `max_len` slots (pads included)."""
-        if isinstance(self.trunk, Trunk):
-            layers = self.trunk.init_cache(batch, max_len, self.dtype)
-        else:
-            layers = attnres_init_cache(self.trunk, batch, max_len, self.dtype)
+        layers = self.trunk.init_cache(batch, max_len, self.dtype)
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
         return {"layers": layers, "length": jnp.zeros((), jnp.int32), "start": start}
 
@@ -480,10 +420,7 @@ class Model(nnx.Module):
         if x0 is None:
             x0 = self.head.embed(tokens)
         x = x0.astype(self.dtype)
-        if isinstance(self.trunk, Trunk):
-            h, layers = self.trunk.extend(x, positions, cache["layers"], length, start)
-        else:
-            h, layers = attnres_extend(self.trunk, x, positions, cache["layers"], length, start)
+        h, layers = self.trunk.extend(x, positions, cache["layers"], length, start)
         return h, x0, {"layers": layers, "length": length + T, "start": start}
 
     def prefill(self, tokens, max_len: int, start=None, x0=None):

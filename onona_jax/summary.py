@@ -111,7 +111,9 @@ def gdn_recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
     to N·C (the padded steps cost as much as real ones, hence the factor N·C/T):
 
         intra  = N·C/T · H · (2C·dk [K Kᵀ] + 2C·dk [Q Kᵀ] + 2C·dv [(QKᵀ∘decay) U])
-        solve  = N·C/T · H · (C−1)(dk+dv)     [(I+A)⁻¹ on [βV, βe^γK]: forward substitution]
+        solve  = N·C/T · H · (2P(P²−1)/(3C) + 2C(dk+dv))
+                 [T = (I+A)⁻¹ by blocked inversion (P = C rounded up to a power of two:
+                  matmuls of s×s blocks, s = 1, 2, …, P/2), then T [βV, βe^γK]]
         state  = N·C/T · H · 2·dk·dv · (2 + (N−1)/N)
                  [u = U − W S₀ and the readout e^γ Q S₀ each chunk; the write S += Kᵀu for
                   all but the last chunk, whose state is unused in training and dead code]
@@ -122,9 +124,10 @@ def gdn_recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
     H, dk, dv, C = G.n_heads, G.head_dim_k, G.head_dim_v, int(G.chunk)
     N = -(-seq_len // C)
     pad = N * C / seq_len
+    P = 1 << (C - 1).bit_length()
     return {
         "intra": pad * H * (4 * C * dk + 2 * C * dv),
-        "solve": pad * H * (C - 1) * (dk + dv),
+        "solve": pad * H * (2 * P * (P * P - 1) / (3 * C) + 2 * C * (dk + dv)),
         "state": pad * H * 2 * dk * dv * (2 + (N - 1) / N),
     }
 
@@ -152,8 +155,8 @@ def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
       (each component through the tied table), 1 otherwise — plus 2·d for a gate's dot.
     * `attention_scores`: 4·T·n_heads·head_dim per ATTENTION layer (QKᵀ and PV over the full
       T×T square, as PaLM counts it); GDN layers have none.
-    * `gdn_recurrence`: per GDN layer, `gdn_recurrence_flops` (intra-chunk, the triangular
-      solve, the state terms ≈ 6·H·dk·dv per token).
+    * `gdn_recurrence`: per GDN layer, `gdn_recurrence_flops` (intra-chunk, the blocked
+      triangular inverse and its product, the state terms ≈ 6·H·dk·dv per token).
     * `attnres`: 2·d per source per AttnRes mixing (the pseudo-query dot with each normed
       source), summed over every sublayer and the final mixing (`attnres_sources`).
     """

@@ -13,12 +13,6 @@ seq_len / median), and the compile time of the full train step (forward, backwar
 lowered from abstract shapes with and without `scan_layers` (as scripts/compile_time.py).
 Batches are random tokens: the step's work does not depend on their values (MoE capacity
 buffers have fixed shapes). Prints a Markdown table and writes JSON with `--output`.
-
-On a machine with few cores, pin the process to one core (`taskset -c 0 python ...`):
-GDN's UT-transform solve is a batched LAPACK trsm on CPU, and jaxlib 0.10 splits a batch
-over XLA's intra-op thread pool and blocks waiting for it; on 2 cores that made the GDN
-step about 2× slower than on one and once deadlocked (two calls in flight, both pool
-threads waiting). With one core the pool has one thread and the solve runs inline.
 """
 
 from __future__ import annotations

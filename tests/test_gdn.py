@@ -58,6 +58,24 @@ def _rule_inputs(B, T, H, dk, dv, seed):
     return (q, k, v, g, beta), s0
 
 
+@pytest.mark.parametrize("C", [1, 8, 37, 64])
+def test_unit_lower_inverse(C):
+    """The blocked (I + A)⁻¹ against float64 LAPACK, C a power of two or not (padded). Two
+    regimes: random strictly-lower A of order one, and the delta rule's worst case — equal
+    unit keys with β = 1 and no decay (A_ij = 1 for j < i), whose inverse is I minus the
+    subdiagonal while (−A)ᵏ holds binomials up to C(62, 31) ≈ 5e17: a power-series inverse
+    loses every digit here, the blocked one must stay exact to fp32 rounding."""
+    r = np.random.default_rng(C)
+    rand = np.tril(0.3 * r.standard_normal((3, C, C)), -1)
+    ones = np.tril(np.ones((1, C, C)), -1)
+    for name, A in (("random", rand), ("aligned keys", ones)):
+        T = np.asarray(jax.jit(gdn.unit_lower_inverse)(jnp.asarray(A, jnp.float32)))
+        ref = np.linalg.inv(np.eye(C) + A)
+        err = np.abs(T - ref).max() / max(1.0, np.abs(ref).max())
+        assert err <= 1e-6 * C, f"{name}, C={C}: relative error {err:.3g}"
+        assert np.all(np.triu(T, 1) == 0), f"{name}, C={C}: not lower-triangular"
+
+
 @pytest.mark.parametrize("T", [64, 128, 100, 37])
 def test_chunked_equals_recurrence(T):
     """Outputs, final state and gradients (q, k, v, g, β, initial state) of the chunked form
