@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import datetime
 import importlib.util
 import json
@@ -48,7 +47,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import jax
@@ -56,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onona_jax import config as config_lib
-from onona_jax import sharding, summary, trainer
+from onona_jax import summary, trainer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper.py"
 GIB = 2.0 ** 30
@@ -108,24 +106,13 @@ def variant_name(head, loss, chunk=None, default_chunk=None):
     return f"{head}/{loss}"
 
 
-@contextlib.contextmanager
-def trainer_context(run):
-    """What `trainer.train` runs its steps under: the mesh and the activation rules (the
-    fused loss reads the mesh from them)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:` as the trainer
-        with run.mesh, sharding.activation_rules(run.mesh):
-            yield
-
-
 def lower_step(cfg):
     """(run, Lowered train step) from abstract shapes: nothing of the model is allocated."""
     run = trainer.setup(cfg, jax.devices()[:1])
     state = trainer.abstract_train_state(run)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jnp.int32,
                                  sharding=run.batch_sharding)
-    with trainer_context(run):
-        return run, trainer.make_train_step(run).lower(state, batch)
+    return run, trainer.make_train_step(run).lower(state, batch)
 
 
 def memory_stats(compiled) -> dict:

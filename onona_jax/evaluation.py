@@ -44,8 +44,7 @@ def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=N
         data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed
     )
     tables = (None, "a", "b") if cfg.model.head == "twin" else (None,)
-    with run.mesh:
-        result = trainer.evaluate(run, params, windows, tables, cfg.eval.batch)
+    result = trainer.evaluate(run, params, windows, tables, cfg.eval.batch)
     return {"config": cfg.name, "step": step, "windows": len(windows), **result}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Iterable
 
@@ -114,6 +115,19 @@ def activation_rules(mesh: Mesh, rules=RULES):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def under_rules(fn, mesh: Mesh, rules=RULES):
+    """`fn` traced inside `activation_rules(mesh)`. The train, eval and scoring steps are
+    wrapped in it before `jax.jit`, so their sharding never depends on the caller's context
+    (jit caches one trace per function, whatever context a later call comes from)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with activation_rules(mesh, rules):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def active_mesh():

@@ -163,8 +163,7 @@ def init_state(run: Run, seed: int):
     def make():
         return _new_state(run, init_params(abstract, seed))
 
-    with run.mesh:
-        return jax.jit(make, out_shardings=run.state_shardings)()
+    return jax.jit(make, out_shardings=run.state_shardings)()
 
 
 def upcycle(run: Run, state, source: str):
@@ -272,7 +271,7 @@ def make_train_step(run: Run):
 
     replicated = NamedSharding(run.mesh, P())
     return jax.jit(
-        step,
+        sharding.under_rules(step, run.mesh),
         in_shardings=(run.state_shardings, run.batch_sharding),
         out_shardings=(run.state_shardings, replicated),
         donate_argnums=0,
@@ -290,7 +289,7 @@ def make_eval_step(run: Run, table: str | None = None):
 
     replicated = NamedSharding(run.mesh, P())
     return jax.jit(
-        nll_sum,
+        sharding.under_rules(nll_sum, run.mesh),
         in_shardings=(run.param_shardings, run.batch_sharding, NamedSharding(run.mesh, P(("data", "fsdp")))),
         out_shardings=(replicated, replicated),
     )
@@ -488,7 +487,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
 
     result = {}
     try:
-        with Preemption() as preempt, run.mesh, sharding.activation_rules(run.mesh):
+        with Preemption() as preempt:
             if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
                 validate(0)
             for step in range(start + 1, run.steps + 1):

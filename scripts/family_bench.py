@@ -28,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from onona_jax import config, sharding, summary, trainer
+from onona_jax import config, summary, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("dense", "moe", "gdn", "attnres")
@@ -75,9 +75,8 @@ class Variant:
 
     def step(self) -> float:
         start = time.perf_counter()
-        with self.run.mesh, sharding.activation_rules(self.run.mesh):  # as trainer.train
-            self.state, metrics = self.step_fn(self.state, self.batch)
-            jax.block_until_ready((self.state, metrics))
+        self.state, metrics = self.step_fn(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
         elapsed = time.perf_counter() - start
         self.loss = float(metrics["loss"])
         return elapsed

@@ -44,3 +44,22 @@ def tiny_config(data_dir: str, head: str = "twin", **train):
     cfg.data.update(dir=data_dir, seq_len=32)
     cfg.eval.update(windows=8, batch=8)
     return config.validate(cfg)
+
+
+def run_steps(cfg, n_steps=3, devices=None):
+    """Losses of the first n train steps (the step `trainer.train` runs, no context needed:
+    it carries the mesh's activation rules itself), the final state and the run."""
+    import numpy as np
+
+    from onona_jax import trainer
+    from onona_jax.data import pipeline
+
+    run = trainer.setup(cfg, devices)
+    state = trainer.init_state(run, cfg.seed)
+    step = trainer.make_train_step(run)
+    batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
+    losses = []
+    for _ in range(n_steps):
+        state, m = step(state, trainer.global_batch(run, next(batches)))
+        losses.append(float(m["loss"]))
+    return np.array(losses), state, run

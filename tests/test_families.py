@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO
-from onona_jax import config, model, sharding, summary, trainer
+from onona_jax import config, model, summary, trainer
 from onona_jax.data import pipeline
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
@@ -55,10 +55,9 @@ def run_losses(cfg, n_steps, devices=None, init=None, keep_init=False):
     step = trainer.make_train_step(run)
     batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
     losses = []
-    with run.mesh, sharding.activation_rules(run.mesh):  # as trainer.train runs its steps
-        for _ in range(n_steps):
-            state, m = step(state, trainer.global_batch(run, next(batches)))
-            losses.append(m["loss"])
+    for _ in range(n_steps):
+        state, m = step(state, trainer.global_batch(run, next(batches)))
+        losses.append(m["loss"])
     losses = np.array(jax.device_get(losses), np.float64)
     return (losses, state, initial) if keep_init else (losses, state)
 

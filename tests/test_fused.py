@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import tiny_config
+from conftest import run_steps, tiny_config
 from onona_jax import fused, heads, sharding, trainer
 from onona_jax.data import pipeline
 
@@ -252,21 +252,6 @@ def test_sharded_fused_equals_unsharded_plain(mesh_shape, head):
 # ----------------------------------------------------------------------------- training
 
 
-def train_losses(cfg, n_steps, devices=None):
-    """`test_train.run_steps` inside the activation rules of the run's mesh, as
-    `trainer.train` runs: there the fused loss finds the mesh and shards the vocabulary."""
-    run = trainer.setup(cfg, devices)
-    state = trainer.init_state(run, cfg.seed)
-    step = trainer.make_train_step(run)
-    batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
-    losses = []
-    with run.mesh, sharding.activation_rules(run.mesh):
-        for _ in range(n_steps):
-            state, m = step(state, trainer.global_batch(run, next(batches)))
-            losses.append(float(m["loss"]))
-    return np.array(losses)
-
-
 def test_training_fused_equals_plain_one_device(tiny_data):
     """20 steps of the tiny twin model (AdamW, 4 accumulated micro-batches a step): the
     free-running losses agree within 1e-5 relative at every step, and, teacher-forced at
@@ -292,17 +277,16 @@ def test_training_fused_equals_plain_one_device(tiny_data):
     free = {k: [] for k in steps}
     forced = []
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (the step donates its state)
-    with run.mesh, sharding.activation_rules(run.mesh):
-        for i in range(20):
-            batch = trainer.global_batch(run, next(batches))
-            if i >= 10:  # teacher-forced where the free-running drift grows
-                _, m_forced = steps["fused"](copy(states["plain"]), batch)
-            metrics = {}
-            for k in steps:
-                states[k], metrics[k] = steps[k](states[k], batch)
-                free[k].append(float(metrics[k]["loss"]))
-            if i >= 10:
-                forced.append([float(m_forced[x]) / float(metrics["plain"][x]) - 1 for x in ("loss", "grad_norm")])
+    for i in range(20):
+        batch = trainer.global_batch(run, next(batches))
+        if i >= 10:  # teacher-forced where the free-running drift grows
+            _, m_forced = steps["fused"](copy(states["plain"]), batch)
+        metrics = {}
+        for k in steps:
+            states[k], metrics[k] = steps[k](states[k], batch)
+            free[k].append(float(metrics[k]["loss"]))
+        if i >= 10:
+            forced.append([float(m_forced[x]) / float(metrics["plain"][x]) - 1 for x in ("loss", "grad_norm")])
     plain, fused_ = np.array(free["plain"]), np.array(free["fused"])
     assert plain[-1] < plain[0] - 0.5  # it learns
     assert np.max(np.abs(forced)) <= 1e-5, forced
@@ -310,11 +294,15 @@ def test_training_fused_equals_plain_one_device(tiny_data):
 
 
 def test_training_fused_equals_plain_on_mesh(tiny_data):
-    """3 steps on mesh (data, fsdp, tensor) = (1, 2, 4): the vocabulary on 4 devices."""
+    """3 steps on mesh (data, fsdp, tensor) = (1, 2, 4): the vocabulary on 4 devices. The
+    train step itself, called with no context, runs the fused loss as a shard_map."""
     losses = {}
     for loss in ("plain", "fused"):
         cfg = tiny_config(tiny_data, "twin", micro_batch=0)  # 4 rows per replica, no accumulation
         cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 2, 4
         cfg.model.update(loss=loss, loss_chunk=4096)  # 12576 rows a shard: 3 full tiles + 288
-        losses[loss] = train_losses(cfg, 3)
+        losses[loss], state, run = run_steps(cfg, 3)
+        batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jnp.int32)
+        jaxpr = str(jax.make_jaxpr(trainer.make_train_step(run))(state, batch))
+        assert ("shard_map" in jaxpr) == (loss == "fused"), loss
     np.testing.assert_allclose(losses["fused"], losses["plain"], rtol=1e-5)

@@ -271,7 +271,7 @@ def test_expert_sharding_and_sharded_forward():
     assert float(aux1["moe_dropped"]) > 0
     mesh = sharding.make_mesh(2, 2, 2)
     shardings = sharding.named_shardings(logical_axes(state), mesh)
-    with mesh, sharding.activation_rules(mesh):
+    with sharding.activation_rules(mesh):
         h2, aux2 = jax.jit(fwd)(jax.device_put(params, shardings), tokens)  # fresh trace
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h2), rtol=0, atol=1e-5)
     for k in moe.AUX_KEYS:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import REPO, run_steps, tiny_config
 from onona_jax import config, optim, trainer
 from onona_jax.data import pipeline
 
@@ -29,20 +29,6 @@ def test_token_budget_steps(size, steps):
     for head in ("standard", "twin"):  # the twin arm gets the Dense Standard budget too
         cfg = config.load(os.path.join(REPO, f"configs/paper.py:dense-{size}-{head}"))
         assert optim.total_steps(cfg, trainer.dense_standard_params(cfg)) == steps
-
-
-def run_steps(cfg, n_steps=3, devices=None):
-    """Losses of the first n steps and the final params (host numpy)."""
-    run = trainer.setup(cfg, devices)
-    state = trainer.init_state(run, cfg.seed)
-    step = trainer.make_train_step(run)
-    batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
-    losses = []
-    with run.mesh:
-        for _ in range(n_steps):
-            state, m = step(state, trainer.global_batch(run, next(batches)))
-            losses.append(float(m["loss"]))
-    return np.array(losses), state, run
 
 
 def test_equal_losses_across_meshes(tiny_data):

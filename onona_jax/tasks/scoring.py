@@ -23,6 +23,7 @@ capacity factor, 4.0, which drops nothing for 8 experts, top-2; see `moe.py`.)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -146,7 +147,7 @@ def _jitted(graphdef, chunk: int, mesh):
     if key not in _JITTED:
         replicated = NamedSharding(mesh, P())
         _JITTED[key] = jax.jit(
-            lambda params, tokens, targets: _score_fn(graphdef, chunk, params, tokens, targets),
+            sharding.under_rules(functools.partial(_score_fn, graphdef, chunk), mesh),
             out_shardings=(replicated, replicated),
         )
     return _JITTED[key]
@@ -235,8 +236,7 @@ class Scorer:
         shape = inputs.shape
         tok = jax.make_array_from_callback(shape, self.batch_sharding, lambda idx: inputs[idx])
         tgt = jax.make_array_from_callback(shape, self.batch_sharding, lambda idx: targets[idx])
-        with self.mesh, sharding.activation_rules(self.mesh):
-            lp, greedy = fn(self.params, tok, tgt)
+        lp, greedy = fn(self.params, tok, tgt)
         return np.asarray(lp), np.asarray(greedy)
 
     # ------------------------------------------------------------------ text requests
