@@ -98,13 +98,17 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg.norm_eps, "head_dim", stack=stack)
         self.theta, self.impl = cfg.rope_theta, cfg.attention_impl
 
-    def __call__(self, x, positions):
+    def _qkv(self, x, positions):
+        """Projections, QK-norm and RoPE: q [B, T, n, hd], k and v [B, T, n_kv, hd]."""
         dt = x.dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
-        q = rope(self.q_norm(q), positions, self.theta)
-        k = rope(self.k_norm(k), positions, self.theta)
+        return rope(self.q_norm(q), positions, self.theta), rope(self.k_norm(k), positions, self.theta), v
+
+    def __call__(self, x, positions):
+        dt = x.dtype
+        q, k, v = self._qkv(x, positions)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         o = jax.nn.dot_product_attention(
             q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=self.impl
@@ -123,11 +127,7 @@ class Attention(nnx.Module):
         """`__call__` for T new tokens x [B, T, d] written at cache slots length..length+T−1,
         attending over the cache (`cached_attention`). Returns (y [B, T, d], cache)."""
         dt = x.dtype
-        q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
-        q = rope(self.q_norm(q), positions, self.theta)
-        k = rope(self.k_norm(k), positions, self.theta)
+        q, k, v = self._qkv(x, positions)
         k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), length, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), length, axis=1)
         o = cached_attention(q, k, v, length, start)

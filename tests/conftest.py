@@ -32,12 +32,16 @@ def tiny_data(tmp_path_factory):
     return str(out)
 
 
-def tiny_config(data_dir: str, head: str = "twin", **train):
-    """A tiny model whose heads (8, KV 4) and widths divide every mesh axis up to 8."""
+def tiny_config(data_dir: str, head: str = "twin", arch: str = "dense", **train):
+    """A tiny model whose heads (8, KV 4) and widths divide every mesh axis up to 8; for
+    GDN also 4 GDN heads of 16 dims (tiny has 1 of 64), so they divide the tensor axis too,
+    and chunk 8, so the 32-token windows are four chunks that pass the state on."""
     from onona_jax import config
 
-    cfg = config.load(os.path.join(REPO, f"configs/paper.py:dense-tiny-{head}"))
+    cfg = config.load(os.path.join(REPO, f"configs/paper.py:{arch}-tiny-{head}"))
     cfg.model.update(n_heads=8, n_kv_heads=4, head_dim=8)
+    if arch == "gdn":
+        cfg.model.gdn.update(n_heads=4, head_dim_k=16, head_dim_v=16, chunk=8)
     cfg.train.update(global_batch=8, micro_batch=1, steps=3, log_every=1, eval_every=1000,
                      checkpoint_every=1000, warmup_steps=2)
     cfg.train.update(**train)
@@ -46,20 +50,25 @@ def tiny_config(data_dir: str, head: str = "twin", **train):
     return config.validate(cfg)
 
 
-def run_steps(cfg, n_steps=3, devices=None):
-    """Losses of the first n train steps (the step `trainer.train` runs, no context needed:
-    it carries the mesh's activation rules itself), the final state and the run."""
+def run_steps(cfg, n_steps=3, devices=None, init=None):
+    """Losses of the first n train steps (float64; the step `trainer.train` runs, no context
+    needed: it carries the mesh's activation rules itself), the final state and the run.
+    `init`: a host copy of a train state to start from, placed on this run's mesh, instead
+    of `trainer.init_state`."""
     import numpy as np
 
     from onona_jax import trainer
     from onona_jax.data import pipeline
 
     run = trainer.setup(cfg, devices)
-    state = trainer.init_state(run, cfg.seed)
+    if init is None:
+        state = trainer.init_state(run, cfg.seed)
+    else:
+        state = jax.device_put(init, run.state_shardings)
     step = trainer.make_train_step(run)
     batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
     losses = []
     for _ in range(n_steps):
         state, m = step(state, trainer.global_batch(run, next(batches)))
-        losses.append(float(m["loss"]))
-    return np.array(losses), state, run
+        losses.append(m["loss"])
+    return np.array(jax.device_get(losses), np.float64), state, run

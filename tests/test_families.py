@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO
+from conftest import REPO, run_steps, tiny_config
 from onona_jax import config, model, summary, trainer
 from onona_jax.data import pipeline
 
@@ -24,42 +24,10 @@ HEADS = ("standard", "twin")
 
 
 def family_config(data_dir: str, arch: str, head: str = "twin", **train):
-    """`configs/paper.py:<arch>-tiny-<head>` with conftest.tiny_config's overrides: attention
-    heads 8 (KV 4) of width 8, so heads, KV heads and widths divide every mesh axis up to 8;
-    for GDN also 4 GDN heads of 16 dims (tiny has 1 of 64), so the GDN heads divide the
-    tensor axis too, and chunk 8, so four chunks of 32 tokens pass the state on.
-    Batch 4 × 32 tokens, the whole batch per replica (no accumulation)."""
-    cfg = config.load(os.path.join(REPO, f"configs/paper.py:{arch}-tiny-{head}"))
-    cfg.model.update(n_heads=8, n_kv_heads=4, head_dim=8)
-    if arch == "gdn":
-        cfg.model.gdn.update(n_heads=4, head_dim_k=16, head_dim_v=16, chunk=8)
-    cfg.train.update(global_batch=4, micro_batch=0, steps=40, warmup_steps=5, log_every=1,
-                     eval_every=1000, checkpoint_every=1000)
-    cfg.train.update(**train)
-    cfg.data.update(dir=data_dir, seq_len=32)
-    cfg.eval.update(windows=8, batch=8)
-    return config.validate(cfg)
-
-
-def run_losses(cfg, n_steps, devices=None, init=None, keep_init=False):
-    """Training losses of the first n steps (the schedule is that of cfg.train.steps) and the
-    final state; `init`: a host copy of an initial train state to start from (placed on
-    this run's mesh) instead of `trainer.init_state`; `keep_init`: also return a host copy
-    of the initial state."""
-    run = trainer.setup(cfg, devices)
-    if init is None:
-        state = trainer.init_state(run, cfg.seed)
-    else:
-        state = jax.device_put(init, run.state_shardings)
-    initial = jax.device_get(state) if keep_init else None  # before the step donates it
-    step = trainer.make_train_step(run)
-    batches = pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch)
-    losses = []
-    for _ in range(n_steps):
-        state, m = step(state, trainer.global_batch(run, next(batches)))
-        losses.append(m["loss"])
-    losses = np.array(jax.device_get(losses), np.float64)
-    return (losses, state, initial) if keep_init else (losses, state)
+    """`conftest.tiny_config` for `configs/paper.py:<arch>-tiny-<head>`: batch 4 × 32 tokens,
+    the whole batch per replica (no accumulation), 40 steps."""
+    train = dict(global_batch=4, micro_batch=0, steps=40, warmup_steps=5) | train
+    return tiny_config(data_dir, head, arch, **train)
 
 
 _SINGLE = {}
@@ -72,7 +40,9 @@ def single_device_run(data_dir, arch, head):
     if key not in _SINGLE:
         cfg = family_config(data_dir, arch, head)
         cfg.mesh.data = 1
-        losses, _, initial = run_losses(cfg, cfg.train.steps, jax.devices()[:1], keep_init=True)
+        devices = jax.devices()[:1]
+        initial = jax.device_get(trainer.init_state(trainer.setup(cfg, devices), cfg.seed))
+        losses, _, _ = run_steps(cfg, cfg.train.steps, devices, init=initial)
         _SINGLE[key] = losses, initial if head == "twin" else None  # only twin runs sharded
     return _SINGLE[key]
 
@@ -114,7 +84,7 @@ def test_sharded_equals_single_device(tiny_data, arch, mesh):
     ref, initial = single_device_run(tiny_data, arch, "twin")
     cfg = family_config(tiny_data, arch, "twin")
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
-    losses, state = run_losses(cfg, 3, init=initial)
+    losses, state, _ = run_steps(cfg, 3, init=initial)
     ref = ref[:3]
     np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{arch} {mesh}")
     # The family's own parameters are sharded as the rules say (leading axis: layers).
@@ -146,7 +116,7 @@ def test_small_family_learns_on_bundled_corpus(bundled_data, arch):
         cfg = config.load(os.path.join(REPO, f"configs/paper.py:{arch}-small-{head}"))
         cfg.data.dir = bundled_data
         cfg.mesh.data = 1
-        losses, _ = run_losses(cfg, 200, jax.devices()[:1])
+        losses, _, _ = run_steps(cfg, 200, jax.devices()[:1])
         assert len(losses) == cfg.train.steps == 200
         assert_falls(losses, margin=3.0)
 

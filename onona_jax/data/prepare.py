@@ -120,7 +120,7 @@ def heldout_mask(num_docs: int, fraction: float, seed: int) -> np.ndarray:
     return mask
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -236,7 +236,7 @@ def prepare(
                 }
                 for s in SPLITS
             },
-            "sources": [{"path": str(f.resolve()), "sha256": _sha256(f), "bytes": f.stat().st_size} for f in files],
+            "sources": [{"path": str(f.resolve()), "sha256": sha256_file(f), "bytes": f.stat().st_size} for f in files],
             "heldout_fraction": heldout_fraction,
             "seed": seed,
             "shard_tokens": shard_tokens,

@@ -12,13 +12,7 @@ import hashlib
 import json
 import os
 
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from onona_jax.data.prepare import sha256_file
 
 
 def fingerprint(paths: list[str] | str, root: str | None = None) -> dict:
