@@ -6,9 +6,9 @@
 
 `--tasks` (default `val`): `val` is the validation loss on the held-out windows (and, for
 twin models, val_loss_a_only / val_loss_b_only); the others are the downstream tasks of
-`onona_jax.tasks` (wikitext2, lambada, hellaswag, arc_easy, arc_challenge, piqa, boolq, sciq,
+`onona_jax.eval.tasks` (wikitext2, lambada, hellaswag, arc_easy, arc_challenge, piqa, boolq, sciq,
 mmlu), each read from a local file: `--task_data=name=PATH` or, failing that, the public
-release's file name under `--task_data_dir` (see `onona_jax.tasks.DEFAULT_FILES`).
+release's file name under `--task_data_dir` (see `onona_jax.eval.tasks.DEFAULT_FILES`).
 
 Writes JSON to PATH, by default DIR/eval/step_<N>.json: the config name and step, the
 validation keys at the top level as before, and under "tasks" one entry per task (its
@@ -19,25 +19,28 @@ import json
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags
 
-from onona_jax import platform
+from onona_jax import cli
 
-platform.initialize()
 
-flags.DEFINE_string("workdir", None, "run directory with checkpoints/", required=True)
-flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
-flags.DEFINE_string("output", None, "result JSON (default: DIR/eval/step_<N>.json)")
-flags.DEFINE_list("mesh", ["-1", "1", "1"], "data,fsdp,tensor sizes of this run's mesh")
-flags.DEFINE_list("tasks", ["val"], "val and/or downstream tasks: wikitext2, lambada, hellaswag, "
-                  "arc_easy, arc_challenge, piqa, boolq, sciq, mmlu")
-flags.DEFINE_list("task_data", [], "name=PATH,... local data file (or directory, for mmlu) per task")
-flags.DEFINE_string("task_data_dir", None, "directory holding the tasks' public files under their release names")
-flags.DEFINE_integer("task_batch", 8, "rows per scoring batch (rounded up to the data-parallel size)")
-flags.DEFINE_integer("max_length", 1024, "tokens of context per scored request / rolling window")
-flags.DEFINE_integer("mmlu_shots", 5, "MMLU few-shot examples from the dev split (up to this many)")
-flags.DEFINE_integer("limit", None, "score only the first N examples of each task (quick checks)")
-FLAGS = flags.FLAGS
+def define(fv, argv):
+    flags.DEFINE_string("workdir", None, "run directory with checkpoints/", flag_values=fv, required=True)
+    flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=fv)
+    flags.DEFINE_string("output", None, "result JSON (default: DIR/eval/step_<N>.json)", flag_values=fv)
+    cli.define_mesh(fv)
+    flags.DEFINE_list("tasks", ["val"], "val and/or downstream tasks: wikitext2, lambada, hellaswag, "
+                      "arc_easy, arc_challenge, piqa, boolq, sciq, mmlu", flag_values=fv)
+    flags.DEFINE_list("task_data", [], "name=PATH,... local data file (or directory, for mmlu) per task",
+                      flag_values=fv)
+    flags.DEFINE_string("task_data_dir", None, "directory holding the tasks' public files under their release "
+                        "names", flag_values=fv)
+    flags.DEFINE_integer("task_batch", 8, "rows per scoring batch (rounded up to the data-parallel size)",
+                         flag_values=fv)
+    flags.DEFINE_integer("max_length", 1024, "tokens of context per scored request / rolling window", flag_values=fv)
+    flags.DEFINE_integer("mmlu_shots", 5, "MMLU few-shot examples from the dev split (up to this many)",
+                         flag_values=fv)
+    flags.DEFINE_integer("limit", None, "score only the first N examples of each task (quick checks)", flag_values=fv)
 
 
 def parse_task_data(items) -> dict:
@@ -53,8 +56,8 @@ def parse_task_data(items) -> dict:
 def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data=None, data_dir=None,
              batch: int = 8, max_length: int = 1024, shots: int = 5, limit=None) -> dict:
     """The combined result dict (what main writes)."""
-    from onona_jax import evaluation
-    from onona_jax.tasks.scoring import mesh_devices
+    from onona_jax.eval import validation as evaluation
+    from onona_jax.eval.tasks.scoring import mesh_devices
 
     names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
     downstream = [n for n in names if n != "val"]
@@ -64,40 +67,37 @@ def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data
     result = {}
     paths = {}
     if downstream:
-        from onona_jax import tasks
+        from onona_jax.eval import tasks
 
         paths = tasks.resolve_paths(downstream, task_data, data_dir)  # fail before any restore
-    loaded = evaluation.load_run(workdir, step, mesh, devices)  # one restore serves every task
-    run, params, step, cfg = loaded
+    loaded = evaluation.load(workdir, step, mesh, devices)  # one restore serves every task
+    params, step, cfg, grid = loaded
     if "val" in names:
         result = evaluation.validation(workdir, mesh=mesh, devices=devices, loaded=loaded)
     if downstream:
-        scorer = tasks.Scorer.from_run(run, params, cfg, batch_size=batch, max_length=max_length, progress=True)
+        scorer = tasks.Scorer.from_params(params, cfg, grid, batch_size=batch, max_length=max_length, progress=True)
         result.setdefault("config", cfg.name)
         result.setdefault("step", step)
         result["tasks"] = tasks.evaluate(scorer, downstream, paths, shots=shots, limit=limit)
     return result
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    logging.set_verbosity(logging.ERROR)  # Orbax warns that a read-only manager won't save
+def _main(fv, args):
+    if args:
+        raise cli.UsageError(f"unexpected arguments {args}")
+    result = evaluate(fv.workdir, fv.step, cli.mesh(fv), fv.tasks, parse_task_data(fv.task_data),
+                      fv.task_data_dir, fv.task_batch, fv.max_length, fv.mmlu_shots, fv.limit)
+    from onona_jax.eval import validation
 
-    try:
-        mesh = tuple(int(x) for x in FLAGS.mesh)
-        result = evaluate(FLAGS.workdir, FLAGS.step, mesh, FLAGS.tasks, parse_task_data(FLAGS.task_data),
-                          FLAGS.task_data_dir, FLAGS.task_batch, FLAGS.max_length, FLAGS.mmlu_shots, FLAGS.limit)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    from onona_jax import evaluation
-
-    path = FLAGS.output or os.path.join(FLAGS.workdir, "eval", f"step_{result['step']}.json")
-    evaluation.write_json(result, path)
+    path = fv.output or os.path.join(fv.workdir, "eval", f"step_{result['step']}.json")
+    validation.write_json(result, path)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}", file=sys.stderr)
 
 
+def main(argv=None) -> int:
+    return cli.run(define, _main, argv, __doc__)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_module(define, _main, __doc__)

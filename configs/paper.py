@@ -70,7 +70,7 @@ def get_config(arg: str = "dense-small-twin"):
 
 # ---------------------------------------------------------------------------------------
 # Experiment grids (SPEC §6): `grid(name, size=None)` lists the arms that
-# `python -m onona_jax.sweep --grid=<name>` trains and `python -m onona_jax.report` compares.
+# `python -m onona_jax.experiments.sweep --grid=<name>` trains and `python -m onona_jax.experiments.report` compares.
 # Each arm belongs to a group and is compared with its group's baseline arm (the arm of that
 # group whose cell is the grid's `baseline`). With `size=None` every arm runs at the paper's
 # size; `size="small"` (or "tiny") maps every spec to that size; arms that then coincide

@@ -4,6 +4,9 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 checkpoint either exists whole or not at all. Restoring tries the newest step first; if it
 cannot be read, it is moved aside to `checkpoints/corrupt/` (never deleted), a warning is
 printed, and the step before is tried.
+
+Evaluation, serving, export and analysis restore the parameters only (`restore_params`):
+no optimizer state, no training run, so a read needs the parameters' memory and nothing more.
 """
 
 from __future__ import annotations
@@ -61,19 +64,39 @@ class Checkpoints:
         )
         return out["state"], out["data"], out["config"]
 
+    def restore_params(self, step: int, abstract_params):
+        """Only the parameters of the train state at `step`, placed as `abstract_params`'s
+        shardings say (ShapeDtypeStructs with shardings): the optimizer moments stay on disk."""
+        restore_args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
+            abstract_params,
+        )
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item={"params": abstract_params}, restore_args={"params": restore_args},
+                    partial_restore=True,
+                ),
+            ),
+        )
+        return out["state"]["params"]
+
     def restore_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
-    def restore_latest(self, abstract_state, step: int | None = None):
+    def restore_latest(self, abstract_state, step: int | None = None, read=None):
         """Newest readable checkpoint (or exactly `step`): (step, state, data_state, config),
-        or None when there is none. A broken newest checkpoint is set aside loudly."""
+        or None when there is none. A broken newest checkpoint is set aside loudly. `read`
+        (step -> result tuple) replaces the full restore (e.g. parameters only)."""
+        read = read or (lambda s: self.restore(s, abstract_state))
         if step is not None:
             if step not in self.steps():
                 raise ValueError(f"no checkpoint at step {step} in {self.directory}; have {self.steps()}")
-            return (step, *self.restore(step, abstract_state))
+            return (step, *read(step))
         for candidate in reversed(self.steps()):
             try:
-                return (candidate, *self.restore(candidate, abstract_state))
+                return (candidate, *read(candidate))
             except Exception as err:  # noqa: BLE001 - any read failure means "not usable"
                 moved = self._set_aside(candidate)
                 warnings.warn(
@@ -92,3 +115,32 @@ class Checkpoints:
         # Reload the manager's view of which steps exist.
         self.manager.reload()
         return dst
+
+
+def saved_config(workdir: str, step: int | None = None):
+    """The config saved with a run's checkpoint (the latest unless `step`), no array read."""
+    import ml_collections
+
+    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
+    if not ckpts.steps():
+        raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
+    use = step if step is not None else ckpts.latest()
+    if use not in ckpts.steps():
+        raise ValueError(f"no checkpoint at step {use} in {ckpts.directory}; have {ckpts.steps()}")
+    return ml_collections.ConfigDict(ckpts.restore_config(use))
+
+
+def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None):
+    """(params, step, cfg, mesh) of a run's checkpoint (the latest readable one unless `step`),
+    the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` whatever mesh
+    trained them."""
+    from onona_jax import models, sharding
+    from onona_jax.config import validate
+
+    cfg = validate(saved_config(workdir, step))
+    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
+    grid = sharding.make_mesh(*mesh, devices)
+    abstract = models.placed(cfg.model, grid)
+    restored = ckpts.restore_latest(None, step, read=lambda s: (ckpts.restore_params(s, abstract),))
+    step, params = restored
+    return params, step, cfg, grid

@@ -13,11 +13,12 @@ import os
 
 import ml_collections
 
-ARCHS = ("dense", "moe", "gdn", "attnres")
-HEADS = (
-    "standard", "twin", "untied", "mos", "sigsoftmax", "moss", "input_gate",
-    "twin_input_only", "twin_output_only",
-)
+from onona_jax import heads as heads_lib
+from onona_jax import models
+
+# The choices of model.arch and model.head come from the registries (one place each).
+ARCHS = tuple(models.FAMILIES)
+HEADS = tuple(heads_lib.HEADS)
 
 
 def ffn_width(d: int) -> int:
@@ -60,7 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.moe.capacity_factor = 1.25  # training and validation
     m.moe.eval_capacity_factor = 4.0  # perplexity and downstream evaluation
     m.moe.aux_coef = 0.001  # Switch load-balancing loss, pooled over layers
-    m.moe.dispatch = "sort"  # sort (gather; faster on CPU, scripts/bench_moe.py) | dense (einsum)
+    m.moe.dispatch = "sort"  # sort (gather; faster on CPU, benchmarks/bench_moe.py) | dense (einsum)
 
     m.gdn = ml_collections.ConfigDict()  # arch=gdn: Gated DeltaNet layers (SPEC §3)
     m.gdn.n_heads = 6
@@ -136,23 +137,70 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
     need(m.loss in ("fused", "plain"), f"model.loss {m.loss!r}: fused or plain")
     need(m.loss_chunk > 0, f"model.loss_chunk={m.loss_chunk} must be positive")
-    pattern = (m.layer_pattern or ("gdn,gdn,gdn,attention" if m.arch == "gdn" else "attention")).split(",")
+    pattern = models.layer_pattern(m)
     need(
-        set(pattern) <= {"attention", "gdn"},
-        f"model.layer_pattern {m.layer_pattern!r}: a comma list of attention and gdn",
+        set(pattern) <= set(models.MIXERS),
+        f"model.layer_pattern {m.layer_pattern!r}: a comma list of {', '.join(models.MIXERS)}",
     )
     need(
         m.n_layers % len(pattern) == 0,
         f"model.n_layers={m.n_layers} is not a multiple of the layer pattern's length {len(pattern)}",
     )
-    if m.arch == "attnres":
-        need(int(m.attnres.block_size) >= 1, f"model.attnres.block_size={m.attnres.block_size} must be ≥ 1 (1 = full AttnRes)")
-        need(pattern == ["attention"], "arch attnres supports only attention layers (model.layer_pattern)")
-    if m.arch == "moe":
-        need(0 < m.moe.top_k <= m.moe.n_experts, f"model.moe.top_k={m.moe.top_k} must be in 1..n_experts")
-        need(m.moe.dispatch in ("dense", "sort"), f"model.moe.dispatch {m.moe.dispatch!r}: dense or sort")
+    for problem in models.family(m).validate(m):
+        need(False, problem)
     need(m.vocab_size >= 50257, f"model.vocab_size={m.vocab_size} is below GPT-2's 50,257 tokens")
     return cfg
+
+
+def define_flag(fv, argv, default: str | None = "configs/paper.py:dense-small-twin", name: str = "config"):
+    """`--config=<file>.py:<arg>` and its `--config.<key>=<value>` overrides (ml-collections
+    config flags) on the FlagValues `fv`, for the command line `argv`. An override of a key
+    that does not exist is one error naming the key, its neighbours and where every key is.
+    Returns the explainer `cli.run` calls when an override fails at parse time."""
+    from ml_collections import config_flags
+
+    from onona_jax.cli import UsageError
+
+    try:
+        config_flags.DEFINE_config_file(name, default, "configs/<file>.py:<arg>", flag_values=fv,
+                                        lock_config=True, sys_argv=list(argv))
+    except (AttributeError, KeyError) as err:
+        raise UsageError(unknown_override(argv, default, name) or f"bad config override: {err}") from None
+    return lambda argv: unknown_override(argv, default, name)
+
+
+def unknown_override(argv, default: str | None, name: str = "config") -> str | None:
+    """The error for an override of a config key that does not exist (ml-collections raises
+    a bare AttributeError/KeyError from deep inside), or None."""
+    import difflib
+
+    spec = default
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            spec = arg[len(name) + 3:]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            spec = argv[i + 1]
+    try:
+        cfg = load(spec)
+    except Exception:  # noqa: BLE001 - not an unknown key after all: the original error speaks
+        return None
+    for arg in argv:
+        if not arg.startswith(f"--{name}."):
+            continue
+        parts = arg[len(name) + 3:].split("=", 1)[0].split(".")
+        node = cfg
+        for i, part in enumerate(parts):
+            if isinstance(node, ml_collections.ConfigDict) and part in node:
+                node = node[part]
+                continue
+            parent = ".".join([name, *parts[:i]])
+            keys = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            close = difflib.get_close_matches(part, keys, 1)
+            hint = (f"did you mean {parent}.{close[0]}?" if close else
+                    f"{parent} has keys {', '.join(keys)}" if keys else f"{parent} is a value, not a group")
+            return (f"unknown config key {name}.{'.'.join(parts)} in {arg!r}; {hint} "
+                    "(every key, with its default, is in onona_jax/config.py)")
+    return None
 
 
 def load(spec: str) -> ml_collections.ConfigDict:

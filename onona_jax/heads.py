@@ -9,19 +9,20 @@ input-embedding row x0 of the same position:
 
 `target_log_probs` never builds a [tokens, V] log-probability tensor: it needs only the
 log-sum-exp of each table's logits and the target's logit. With `model.loss = "fused"` (the
-default) not even the logits exist whole: `fused.py` streams the vocabulary in tiles and
+default) not even the logits exist whole: `loss.py` streams the vocabulary in tiles and
 recomputes them in the backward pass. Every reduction runs in fp32.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from onona_jax import fused
+from onona_jax import loss as loss_lib
 from onona_jax.params import param
 
 # The paper's gate uses torch's `F.rms_norm(x0, (d,))` with eps=None, i.e. finfo(fp32).eps.
@@ -126,17 +127,111 @@ def input_gate_rows(a_rows, b_rows, w):
     return g * a_rows + (1.0 - g) * b_rows
 
 
-def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chunk: int = 4096):
+class Mixture(NamedTuple):
+    """A head's output distribution for hidden states h, as a mixture of K softmax components:
+
+        p(v) = Σ_k exp(log_weights_k) · softmax_v(score(hs_k · tables_kᵀ))
+
+    hs: [..., d] (every component reads h) or [..., K, d] (one per component: MoS contexts);
+    tables: K tables [V, d], or one table shared by every component; log_weights: [..., K]
+    fp32, None for K = 1; score: None, or "sigsoftmax" (2z − softplus(z) in place of z).
+    Standard: K = 1. Twin: tables (A, B), log weights logσ(±z). MoS: K contexts over E,
+    log π. The loss (`loss.py`) and evaluation read only this, never the head's internals."""
+
+    hs: jax.Array
+    tables: tuple
+    log_weights: jax.Array | None = None
+    score: str | None = None
+
+    @property
+    def shared_h(self) -> bool:
+        return len(self.tables) > 1 or self.log_weights is None
+
+
+def component_logits(m: Mixture) -> list[jax.Array]:
+    """fp32 log-softmax of each component, [..., V] each."""
+    K = 1 if m.log_weights is None else m.log_weights.shape[-1]
+    out = []
+    for k in range(K):
+        h = m.hs if m.shared_h else m.hs[..., k, :]
+        z = logits(h, m.tables[k if len(m.tables) > 1 else 0])
+        out.append(log_softmax(sigsoftmax_scores(z) if m.score == "sigsoftmax" else z))
+    return out
+
+
+def mixture_log_probs(m: Mixture) -> jax.Array:
+    """fp32 log p [..., V] of a mixture (evaluation, serving; builds [..., V] per component)."""
+    parts = component_logits(m)
+    if m.log_weights is None:
+        return parts[0]
+    if len(parts) == 2:  # the twin form, logaddexp: bitwise as `mix` and `twin_log_probs`
+        return jnp.logaddexp(parts[0] + m.log_weights[..., 0:1], parts[1] + m.log_weights[..., 1:2])
+    return jax.nn.logsumexp(jnp.stack(parts, axis=-2) + m.log_weights[..., None], axis=-2)
+
+
+def mixture_target_log_probs(m: Mixture, targets, loss: str = "plain", chunk: int = 4096, layout=None):
+    """log p(target) [...] of a mixture: plainly (one component's logits at a time), or with
+    the fused chunked loss of `loss.py` (never more than a [tokens, chunk] tile of logits;
+    `layout` = `sharding.loss_layout(mesh)` splits the vocabulary over the mesh) where it
+    covers the mixture: components sharing h, without a score transform."""
+    if loss == "fused" and m.shared_h and m.score is None:
+        return loss_lib.target_log_probs(m.hs, m.tables, targets, m.log_weights, chunk, layout)
+    K = 1 if m.log_weights is None else m.log_weights.shape[-1]
+    parts = []
+    for k in range(K):
+        h = m.hs if m.shared_h else m.hs[..., k, :]
+        z = logits(h, m.tables[k if len(m.tables) > 1 else 0])
+        parts.append(target_log_softmax(sigsoftmax_scores(z) if m.score == "sigsoftmax" else z, targets))
+    if m.log_weights is None:
+        return parts[0]
+    if K == 2:
+        return jnp.logaddexp(parts[0] + m.log_weights[..., 0], parts[1] + m.log_weights[..., 1])
+    return jax.nn.logsumexp(jnp.stack(parts, axis=-1) + m.log_weights, axis=-1)
+
+
+def gate_log_weights(z: jax.Array) -> jax.Array:
+    """[..., 2] log mixture weights (logσ(z), logσ(−z)) of a gate logit z [...]."""
+    return jnp.stack([jax.nn.log_sigmoid(z), jax.nn.log_sigmoid(-z)], axis=-1)
+
+
+def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chunk: int = 4096, layout=None):
     """log p(target) under softmax(h Tᵀ) (one table) or the gated mixture of two (z the gate
-    logit): plainly, or fused and chunked over the vocabulary (`fused.py`), which never holds
-    more than a [tokens, chunk] tile of logits and shards the vocabulary on the mesh."""
-    if loss == "fused":
-        return fused.sharded_target_log_probs(h, tables, targets, z, chunk)
-    parts = [target_log_softmax(logits(h, T), targets) for T in tables]
-    return parts[0] if len(parts) == 1 else mix(*parts, z)
+    logit); see `mixture_target_log_probs`."""
+    lw = None if z is None else gate_log_weights(z)
+    return mixture_target_log_probs(Mixture(h, tuple(tables), lw), targets, loss, chunk, layout)
 
 
 # ----------------------------------------------------------------------------- modules
+#
+# Every head is a thin module that owns its parameters and declares what the rest of the
+# package needs to know of it, so nothing outside this file tests a head's name:
+#
+#   tables      names of its [V, d] vocabulary tables (parameter counts, upcycling)
+#   gated       whether it has a gate over the input token (logging, analysis)
+#   ablations   the one-table evaluations it reports (twin: a, b)
+#   upcycles    init_from a standard run fills A = B = E (the containment of SPEC §1)
+#   embed(tokens), mixture(h, x0)           the forward: input rows and output distribution
+#   output_projections(cfg)                 V×d projections per position (FLOPs)
+#   fold()      the serving form (`Folded`): input table, output tables, gate logit per
+#               input token — or None when the output depends on h through more than one
+#               projection per table (MoS), so serving evaluates `log_probs` instead
+#   gate_table()  the rows the gate reads, for every vocabulary entry (gated heads)
+
+
+class Folded(NamedTuple):
+    """A head with its input-side work done once for the whole vocabulary (serving, export):
+    the trunk reads `input[x]`; the output is the mixture of softmax(score(h·Tᵀ)) over
+    `outputs`, weighted by σ(±gate_logit[x]) when there are two (one table: no gate)."""
+
+    input: jax.Array  # [V, d] fp32
+    outputs: tuple  # 1 or 2 tables [V, d]
+    gate_logit: jax.Array | None = None  # [V] fp32, z of each input token
+    score: str | None = None
+
+    def mixture(self, h, tokens) -> Mixture:
+        if self.gate_logit is None:
+            return Mixture(h, self.outputs, None, self.score)
+        return Mixture(h, self.outputs, gate_log_weights(jnp.take(self.gate_logit, tokens, axis=0)), self.score)
 
 
 def _rows(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -154,17 +249,37 @@ def _gate(d):
 
 
 class Head(nnx.Module):
-    """Base: the loss implementation (`model.loss`: fused | plain) and its vocabulary chunk."""
+    """Base: the declarations (see above) and the generic forward over `mixture`."""
+
+    tables: tuple[str, ...] = ()
+    score: str | None = None  # a score transform of the logits (sigsoftmax), see `Mixture`
+    gated = False
+    ablations: tuple[str, ...] = ()
+    upcycles = False
 
     def __init__(self, cfg):
         self.loss, self.chunk = cfg.loss, cfg.loss_chunk
 
-    def _target(self, h, tables, targets, z=None):
-        return table_target_log_probs(h, tables, targets, z, self.loss, self.chunk)
+    @classmethod
+    def output_projections(cls, cfg) -> int:
+        return 1
+
+    def log_probs(self, h, x0):
+        """fp32 log-probabilities [..., V]."""
+        return mixture_log_probs(self.mixture(h, x0))
+
+    def target_log_probs(self, h, x0, targets, layout=None):
+        """fp32 log p(target) [...], never a [..., V] log-probability tensor (`model.loss`)."""
+        return mixture_target_log_probs(self.mixture(h, x0), targets, self.loss, self.chunk, layout)
+
+    def fold(self) -> Folded | None:
+        return None
 
 
 class StandardHead(Head):
     """Tied head: one table E for input and output (E shares its init with twin's A)."""
+
+    tables = ("embedding",)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -173,22 +288,32 @@ class StandardHead(Head):
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
 
-    def log_probs(self, h, x0):
-        return standard_log_probs(h, self.embedding[...])
+    def mixture(self, h, x0):
+        return Mixture(h, (self.embedding[...],))
 
-    def target_log_probs(self, h, x0, targets):
-        return self._target(h, (self.embedding[...],), targets)
+    def fold(self):
+        return Folded(self.embedding[...], (self.embedding[...],))
 
 
 class TwinHead(Head):
     """onóna: tables A and B, the body reads M = (A+B)/2, the head mixes two softmaxes with
     a gate that reads only the input token."""
 
+    tables = ("A", "B")
+    gated = True
+    ablations = ("a", "b")
+    upcycles = True
+    gate_reads = ("M", "M = (A+B)/2")  # (symbol, definition) of the rows the gate reads
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.A = _table(cfg.vocab_size, cfg.d_model, "A")
         self.B = _table(cfg.vocab_size, cfg.d_model, "B")
         self.gate = _gate(cfg.d_model)
+
+    @classmethod
+    def output_projections(cls, cfg) -> int:
+        return 2
 
     def embed(self, tokens):
         # Gathering two rows is cheaper than forming M; (a+b)*0.5 is bitwise ((A+B)/2)[x].
@@ -201,19 +326,38 @@ class TwinHead(Head):
         """The rows the gate reads: the input rows, M[x] here."""
         return self.embed(tokens)
 
+    def gate_table(self):
+        """The rows the gate reads for every vocabulary entry, [V, d] fp32."""
+        return self.gate_table_of({"A": self.A[...], "B": self.B[...]})
+
+    @staticmethod
+    def gate_table_of(tables):
+        """`gate_table` from the head's parameter dict (analysis reads checkpoints)."""
+        return (tables["A"] + tables["B"]) * 0.5
+
     def gate_probs(self, tokens):
         """g = σ(wᵀ rmsnorm(gate rows)) per token, fp32 (for logging and serving)."""
         return jax.nn.sigmoid(gate_logit(self.gate_rows(tokens), self.gate[...]))
 
-    def log_probs(self, h, x0):
-        return twin_log_probs(h, x0, self.A[...], self.B[...], self.gate[...])
+    def mixture(self, h, x0):
+        return Mixture(h, (self.A[...], self.B[...]), gate_log_weights(gate_logit(x0, self.gate[...])))
 
-    def target_log_probs(self, h, x0, targets):
-        return self._target(h, (self.A[...], self.B[...]), targets, gate_logit(x0, self.gate[...]))
+    def ablation_table(self, name: str):
+        """The one-table ablation (SPEC §2): that table at input and output, no gate."""
+        return {"a": self.A, "b": self.B}[name][...]
+
+    def fold(self):
+        return Folded(self.embed_table(), (self.A[...], self.B[...]), gate_logit(self.gate_table(), self.gate[...]))
+
+    def embed_table(self):
+        """The rows the body reads for every vocabulary entry (M here)."""
+        return self.merged()
 
 
 class UntiedHead(Head):
     """Separate input table E and output table W (+Vd)."""
+
+    tables = ("embedding", "unembedding")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -223,26 +367,31 @@ class UntiedHead(Head):
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
 
-    def log_probs(self, h, x0):
-        return standard_log_probs(h, self.unembedding[...])
+    def mixture(self, h, x0):
+        return Mixture(h, (self.unembedding[...],))
 
-    def target_log_probs(self, h, x0, targets):
-        return self._target(h, (self.unembedding[...],), targets)
+    def fold(self):
+        return Folded(self.embedding[...], (self.unembedding[...],))
 
 
 class SigsoftmaxHead(StandardHead):
     """Tied table, sigsoftmax output p ∝ exp(z)σ(z) (no extra parameters)."""
 
-    def log_probs(self, h, x0):
-        return sigsoftmax_log_probs(h, self.embedding[...])
+    score = "sigsoftmax"
 
-    def target_log_probs(self, h, x0, targets):
-        return sigsoftmax_target_log_probs(h, self.embedding[...], targets)
+    def mixture(self, h, x0):
+        return Mixture(h, (self.embedding[...],), None, self.score)
+
+    def fold(self):
+        return Folded(self.embedding[...], (self.embedding[...],), None, self.score)
 
 
 class MoSHead(Head):
     """Tied table, K-component mixture of softmaxes (or sigsoftmaxes: MoSS); bias-free,
-    +K·d² + K·d parameters (2d² + 2d at K = 2)."""
+    +K·d² + K·d parameters (2d² + 2d at K = 2). Not foldable: each component projects its
+    own context, so serving evaluates `log_probs`."""
+
+    tables = ("embedding",)
 
     def __init__(self, cfg, sig: bool = False):
         super().__init__(cfg)
@@ -252,21 +401,27 @@ class MoSHead(Head):
         self.mos_prior = param((d, K), ("embed", None))
         self.sig = sig
 
+    @classmethod
+    def output_projections(cls, cfg) -> int:
+        return int(cfg.mos_components)
+
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
 
-    def log_probs(self, h, x0):
-        return mos_log_probs(h, self.embedding[...], self.mos_proj[...], self.mos_prior[...], self.sig)
-
-    def target_log_probs(self, h, x0, targets):
-        return mos_target_log_probs(
-            h, self.embedding[...], self.mos_proj[...], self.mos_prior[...], targets, self.sig
-        )
+    def mixture(self, h, x0):
+        log_prior, contexts = _mos_parts(h, self.mos_proj[...], self.mos_prior[...])
+        return Mixture(contexts, (self.embedding[...],), log_prior, "sigsoftmax" if self.sig else None)
 
 
 class InputGateHead(TwinHead):
     """Control: the gate mixes the *input* rows, g·A[x] + (1−g)·B[x]; the output is a single
     softmax(Mh) with M = (A+B)/2."""
+
+    ablations = ()
+
+    @classmethod
+    def output_projections(cls, cfg) -> int:
+        return 1
 
     def embed(self, tokens):
         return input_gate_rows(_rows(self.A[...], tokens), _rows(self.B[...], tokens), self.gate[...])
@@ -274,15 +429,18 @@ class InputGateHead(TwinHead):
     def gate_rows(self, tokens):
         return TwinHead.embed(self, tokens)  # the gate reads M[x], the body reads the gated mix
 
-    def log_probs(self, h, x0):
-        return standard_log_probs(h, self.merged())
+    def mixture(self, h, x0):
+        return Mixture(h, (self.merged(),))
 
-    def target_log_probs(self, h, x0, targets):
-        return self._target(h, (self.merged(),), targets)
+    def fold(self):
+        return Folded(input_gate_rows(self.A[...], self.B[...], self.gate[...]), (self.merged(),))
 
 
 class TwinInputOnlyHead(Head):
     """Factorial cell: twin input M[x], single output softmax(Ah) (+Vd)."""
+
+    tables = ("A", "B")
+    upcycles = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -292,18 +450,28 @@ class TwinInputOnlyHead(Head):
     def embed(self, tokens):
         return (_rows(self.A[...], tokens) + _rows(self.B[...], tokens)) * 0.5
 
-    def log_probs(self, h, x0):
-        return standard_log_probs(h, self.A[...])
+    def mixture(self, h, x0):
+        return Mixture(h, (self.A[...],))
 
-    def target_log_probs(self, h, x0, targets):
-        return self._target(h, (self.A[...],), targets)
+    def fold(self):
+        return Folded((self.A[...] + self.B[...]) * 0.5, (self.A[...],))
 
 
 class TwinOutputOnlyHead(TwinHead):
     """Factorial cell: input A[x], the twin output mixture with the gate reading A[x]."""
 
+    ablations = ()
+    gate_reads = ("A", "the table A")
+
     def embed(self, tokens):
         return _rows(self.A[...], tokens)
+
+    @staticmethod
+    def gate_table_of(tables):
+        return tables["A"]
+
+    def embed_table(self):
+        return self.A[...]
 
 
 HEADS: dict[str, Callable] = {
@@ -312,14 +480,21 @@ HEADS: dict[str, Callable] = {
     "untied": UntiedHead,
     "mos": MoSHead,
     "sigsoftmax": SigsoftmaxHead,
-    "moss": lambda cfg: MoSHead(cfg, sig=True),
+    "moss": functools.partial(MoSHead, sig=True),
     "input_gate": InputGateHead,
     "twin_input_only": TwinInputOnlyHead,
     "twin_output_only": TwinOutputOnlyHead,
 }
 
 
+def head_class(name: str):
+    """The class of head `name` (its declarations without building it)."""
+    if name not in HEADS:
+        raise ValueError(f"unknown head {name!r}; choose one of {tuple(HEADS)}")
+    h = HEADS[name]
+    return h.func if isinstance(h, functools.partial) else h
+
+
 def make_head(cfg) -> nnx.Module:
-    if cfg.head not in HEADS:
-        raise ValueError(f"unknown head {cfg.head!r}; choose one of {sorted(HEADS)}")
+    head_class(cfg.head)
     return HEADS[cfg.head](cfg)

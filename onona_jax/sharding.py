@@ -97,6 +97,58 @@ def logical_to_mesh(spec: P, rules=RULES) -> P:
     return P(*out)
 
 
+def batch_axes(rules=RULES):
+    """The mesh axes the batch is split over (the `batch` rule): data and fsdp."""
+    return logical_to_mesh(P("batch"), rules)[0]
+
+
+def data_parallel_size(mesh: Mesh, rules=RULES) -> int:
+    """How many ways the batch is split: the product of the batch axes' sizes."""
+    axes = batch_axes(rules)
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, rules=RULES) -> NamedSharding:
+    """Rows split over the batch axes, the other `ndim - 1` dimensions whole."""
+    return NamedSharding(mesh, P(batch_axes(rules), *([None] * (ndim - 1))))
+
+
+def loss_layout(mesh: Mesh, rules=RULES):
+    """(mesh, batch axes, vocab axis or None) for `loss.target_log_probs`: each device streams
+    its shard of the vocabulary (the `vocab` rule's axis, when it has more than one device)
+    for its rows of the batch."""
+    vocab = logical_to_mesh(P("vocab"), rules)[0]
+    vocab_axes = (vocab,) if isinstance(vocab, str) else tuple(vocab or ())
+    if math.prod(mesh.shape[a] for a in vocab_axes) <= 1:
+        vocab = None
+    return mesh, batch_axes(rules), vocab
+
+
+def check_divisible(logical, abstract, mesh):
+    """Every sharded parameter dimension must divide evenly by its mesh axes."""
+    for (path, spec), (_, var) in zip(
+        _flat_with_paths(logical), _flat_with_paths(abstract)
+    ):
+        mesh_spec = logical_to_mesh(spec)
+        for dim, (size, axes) in enumerate(zip(var.shape, mesh_spec)):
+            if axes is None:
+                continue
+            n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+            if size % n:
+                raise ValueError(
+                    f"parameter {path} dimension {dim} ({spec[dim]}) has size {size}, not divisible "
+                    f"by mesh axis {axes} of size {n}; choose --config.mesh.* so that it divides "
+                    f"(e.g. heads, kv_heads, d_ff and vocab_size divisible by mesh.tensor)"
+                )
+
+
+def _flat_with_paths(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, P))[0]
+    return [("/".join(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf in leaves]
+
+
+
 def named_shardings(logical_tree, mesh: Mesh, rules=RULES):
     """Pytree of PartitionSpec(logical names) -> pytree of NamedSharding on `mesh`."""
     return jax.tree.map(
@@ -128,11 +180,6 @@ def under_rules(fn, mesh: Mesh, rules=RULES):
             return fn(*args, **kwargs)
 
     return wrapped
-
-
-def active_mesh():
-    """(mesh, rules) inside `activation_rules`, else None."""
-    return _ACTIVE.get()
 
 
 def constrain(x, logical: Iterable[str | None]):

@@ -9,16 +9,19 @@ the model really has, not a formula that repeats the config.
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
+from absl import flags
 
+from onona_jax import cli
 from onona_jax import config as config_lib
-from onona_jax import model as model_lib
+from onona_jax import heads as heads_lib
+from onona_jax import models as model_lib
 from onona_jax.params import flat_variables, path_str
 
 COMPONENTS = ("tables", "gate", "head", "attention", "gdn", "mlp", "moe", "attnres", "norms")
-TABLES = ("A", "B", "embedding", "unembedding")
+# Every head's vocabulary tables, as the heads declare them.
+TABLES = tuple(sorted({t for name in heads_lib.HEADS for t in heads_lib.head_class(name).tables}))
 
 
 def component(path: str) -> str:
@@ -64,15 +67,11 @@ def param_counts(cfg_model) -> dict[str, int]:
     return counts
 
 
-def output_projections(head: str, mos_components: int = 2) -> int:
-    """Vocabulary projections per position in training: 2 for the heads with two output
-    softmaxes (twin, twin_output_only), K = mos_components for mos / moss (one per
-    component, through the tied table), 1 for the others."""
-    if head in ("twin", "twin_output_only"):
-        return 2
-    if head in ("mos", "moss"):
-        return int(mos_components)
-    return 1
+def output_projections(cfg_model) -> int:
+    """Vocabulary projections per position in training, as the head declares them: 2 for
+    the heads with two output softmaxes (twin, twin_output_only), K = mos_components for
+    mos / moss (one per component, through the tied table), 1 for the others."""
+    return heads_lib.head_class(cfg_model.head).output_projections(cfg_model)
 
 
 # Per-component parameters that are NOT matmul weights (2 FLOPs per weight per token):
@@ -135,7 +134,7 @@ def gdn_recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
 def attnres_sources(cfg_model) -> int:
     """Sources summed over all AttnRes mixings of one token: sublayer s (0..2L−1) reads
     1 + ceil(s/k) of them and the final AttnRes 1 + ceil(2L/k) (k = block size)."""
-    from onona_jax.attnres import n_sources
+    from onona_jax.models.attnres import n_sources
 
     k, L = int(cfg_model.attnres.block_size), cfg_model.n_layers
     return sum(n_sources(s, k) for s in range(2 * L + 1))
@@ -164,7 +163,7 @@ def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
     weights = matmul_weights(m)
     counts = param_counts(m)
     body = 2 * sum(weights[c] for c in ("attention", "mlp", "moe", "gdn"))
-    projections = output_projections(m.head, m.mos_components)
+    projections = output_projections(m)
     head = 2 * (projections * m.vocab_size * m.d_model + weights["head"] + counts["gate"])
     layers = _pattern_counts(m)
     scores = 4 * seq_len * m.n_heads * m.head_dim * layers["attention"]
@@ -209,22 +208,21 @@ def format_table(s: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    import argparse
+def define(fv, argv):
+    flags.DEFINE_bool("json", False, "print JSON instead of a table", flag_values=fv)
+    return config_lib.define_flag(fv, argv, default=None)
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="configs/paper.py:<arch>-<size>-<head>")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        cfg = config_lib.load(args.config)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    s = summarize(cfg)
-    print(json.dumps(s, indent=2) if args.json else format_table(s))
-    return 0
+
+def _main(fv, args):
+    if fv.config is None:
+        raise cli.UsageError("give --config=configs/paper.py:<arch>-<size>-<head>")
+    s = summarize(config_lib.validate(fv.config))
+    print(json.dumps(s, indent=2) if fv.json else format_table(s))
+
+
+def main(argv=None) -> int:
+    return cli.run(define, _main, argv, __doc__)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run_module(define, _main, __doc__)

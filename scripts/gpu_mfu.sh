@@ -38,7 +38,7 @@ args=()
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())'
 
-"$PY" -m onona_jax.bench \
+"$PY" benchmarks/bench.py \
     --sections="${SECTIONS}" \
     --size="${SIZE}" --micro_batch="${BATCH}" --seq_len="${SEQ}" \
     --time_size="${SIZE}" --time_batch="${BATCH}" --time_seq="${SEQ}" \

@@ -57,7 +57,7 @@ def run_steps(cfg, n_steps=3, devices=None, init=None):
     of `trainer.init_state`."""
     import numpy as np
 
-    from onona_jax import trainer
+    from onona_jax import train as trainer
     from onona_jax.data import pipeline
 
     run = trainer.setup(cfg, devices)

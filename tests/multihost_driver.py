@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def install_hooks():
-    from onona_jax import trainer
+    from onona_jax import train as trainer
     from onona_jax.data import pipeline
 
     record = {"ids": [], "fed": [], "rows": []}

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from onona_jax import config, evaluation, export, model, tokenizer, trainer
+from onona_jax import config, tokenizer
+from onona_jax.checkpoint import restore_params
+from onona_jax.serve import export
+from onona_jax import models as model
+from onona_jax import train as trainer
 from onona_jax.analysis import curves, gate
 
 N = tokenizer.TOKENIZER_VOCAB
@@ -38,8 +42,9 @@ def standard_run(tiny_data, tmp_path_factory):
 
 def _restore(workdir):
     """(graphdef, host params, step, cfg) of the run's latest checkpoint."""
-    run, params, step, cfg = evaluation.load_run(workdir, mesh=(8, 1, 1))
-    return run.graphdef, jax.tree.map(lambda x: np.asarray(x, np.float32), params), step, cfg
+    params, step, cfg, _ = restore_params(workdir, mesh=(8, 1, 1))
+    graphdef, _ = model.abstract(cfg.model)
+    return graphdef, jax.tree.map(lambda x: np.asarray(x, np.float32), params), step, cfg
 
 
 def _train_counts(data_dir):
@@ -235,7 +240,7 @@ def test_standard_export_loads_in_transformers_and_matches(standard_run, tmp_pat
 
 
 def test_twin_export_serves_the_same_log_probs(twin_run, tmp_path):
-    from onona_jax.torch_ref import TwinServing
+    from onona_jax.serve.torch_ref import TwinServing
 
     out = str(tmp_path / "twin")
     summary = export.export(twin_run, out, tokenizer=False)

@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import REPO
-from onona_jax import config, convert, model, summary
-from onona_jax.attnres import AttnResTrunk, _mix_list, attnres_mix, n_sources
-from onona_jax.torch_ref import TwinTables
+from onona_jax import config, summary
+from onona_jax.serve import convert
+from onona_jax import models as model
+from onona_jax.models.attnres import AttnResTrunk, _mix_list, attnres_mix, n_sources
+from onona_jax.serve.torch_ref import TwinTables
 
 PAPER = os.path.join(REPO, "configs", "paper.py")
 T = 16

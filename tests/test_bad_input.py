@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from onona_jax import trainer
+from onona_jax import train as trainer
 from onona_jax.data.prepare import FORMAT_VERSION
 
 V_MODEL = 50304  # tiny configs' model.vocab_size

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO
-from onona_jax import config, heads, model, summary
+from onona_jax import config, heads, summary
+from onona_jax import models as model
 from onona_jax import params as params_lib
 
 V, D, K = 97, 16, 2  # pure-function tests

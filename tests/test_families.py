@@ -16,7 +16,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, run_steps, tiny_config
-from onona_jax import config, model, summary, trainer
+from onona_jax import config, summary
+from onona_jax import models as model
+from onona_jax import train as trainer
 from onona_jax.data import pipeline
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
@@ -178,7 +180,7 @@ def test_flops_formula_matches_xla_cost_analysis(arch):
     assert ours <= xla <= 1.05 * ours
     assert ours_trunk <= xla_trunk <= trunk_margin * ours_trunk
     if arch == "moe":
-        from onona_jax.moe import capacity
+        from onona_jax.models.moe import capacity
 
         m = cfg.model
         cfg.model.moe.capacity_factor = 1.25

@@ -1,4 +1,4 @@
-"""The fused, chunked output-layer loss (`fused.py`) against the plain one (`heads.py`):
+"""The fused, chunked output-layer loss (`loss.py`) against the plain one (`heads.py`):
 values and gradients (h, the tables, the gate weight w and the gate's input x0), uneven
 chunks, masked tokens, bf16, the vocabulary sharded on the tensor axis, and training.
 
@@ -18,7 +18,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import run_steps, tiny_config
-from onona_jax import fused, heads, sharding, trainer
+from onona_jax import heads, sharding
+from onona_jax import loss as fused
+from onona_jax import train as trainer
 from onona_jax.data import pipeline
 
 N_BATCH, N_SEQ, D, V = 8, 6, 32, 1000  # V = 1000 is divisible by neither 96 nor 128
@@ -215,13 +217,15 @@ def _sharded_case(mesh_shape, head):
                   h=jax.device_put(x["h"], rows), x0=jax.device_put(x["x0"], rows),
                   y=jax.device_put(x["y"], rows), wt=jax.device_put(x["wt"], rows))
 
-    def loss(*args):  # heads' entry point: under the rules it dispatches to the shard_map
+    layout = sharding.loss_layout(mesh)
+
+    def loss(*args):  # heads' entry point: with a layout it runs as a shard_map
         if head == "twin":
             h, A, B, w, x0, y, wt = args
-            lp = heads.table_target_log_probs(h, (A, B), y, heads.gate_logit(x0, w), "fused", 96)
+            lp = heads.table_target_log_probs(h, (A, B), y, heads.gate_logit(x0, w), "fused", 96, layout)
         else:
             h, E, y, wt = args
-            lp = heads.table_target_log_probs(h, (E,), y, None, "fused", 96)
+            lp = heads.table_target_log_probs(h, (E,), y, None, "fused", 96, layout)
         return weighted(lp, wt)
 
     ref = plain_reference(head, 5)
@@ -231,10 +235,9 @@ def _sharded_case(mesh_shape, head):
     else:
         args = tuple(placed[k] for k in ("h", "A", "y", "wt"))
         argnums, names = (0, 1), ("h", "E")
-    with sharding.activation_rules(mesh):
-        fn = jax.value_and_grad(loss, argnums=argnums)
-        jaxpr = str(jax.make_jaxpr(fn)(*args))
-        value, grads = jax.jit(fn)(*args)
+    fn = jax.value_and_grad(loss, argnums=argnums)
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    value, grads = jax.jit(fn)(*args)
     return mesh, ref, (value, dict(zip(names, grads))), jaxpr
 
 

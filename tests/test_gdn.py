@@ -13,7 +13,10 @@ import pytest
 from flax import nnx
 
 from conftest import REPO
-from onona_jax import config, convert, gdn, model, summary
+from onona_jax import config, summary
+from onona_jax.serve import convert
+from onona_jax.models import gdn
+from onona_jax import models as model
 from onona_jax import params as params_lib
 
 PAPER = os.path.join(REPO, "configs", "paper.py")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from onona_jax import heads
-from onona_jax.torch_ref import TwinTables
+from onona_jax.serve.torch_ref import TwinTables
 
 V, D = 97, 16
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from onona_jax import config, model, summary
+from onona_jax import config, summary
+from onona_jax import models as model
 
 
 def load(spec):

@@ -13,7 +13,10 @@ import torch
 from flax import nnx
 
 from conftest import REPO
-from onona_jax import config, model, moe, sharding, summary
+from onona_jax import config, sharding, summary
+from onona_jax import models as model
+from onona_jax.models import dense
+from onona_jax.models import moe
 from onona_jax.params import abstract_state, init_params, logical_axes
 
 
@@ -175,7 +178,7 @@ def test_capacity_drops_exactly_the_overflow(dispatch):
 
 def test_dropped_tokens_pass_through_the_block():
     m = _cfg(capacity_factor=0.3)
-    graphdef, state = abstract_state(lambda: model.Block(m, "attention"))
+    graphdef, state = abstract_state(lambda: dense.Block(m, model.MIXERS["attention"], model.FEED_FORWARDS["moe"]))
     block = nnx.merge(graphdef, _noisy(init_params(state, 3), 3))
     x = _x(m, B=2, T=40)
     positions = jnp.broadcast_to(jnp.arange(40), (2, 40))

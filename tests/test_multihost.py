@@ -151,7 +151,7 @@ def reference(tiny_data, tmp_path_factory):
 def test_two_processes_train_like_one(tiny_data, reference, tmp_path, mesh):
     import jax
 
-    from onona_jax import evaluation
+    from onona_jax.eval import validation as evaluation
     from onona_jax.data import pipeline
 
     two = Launch(tmp_path, "two", mesh, tiny_data, processes=2)

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from onona_jax import config, convert, model
+from onona_jax import config
+from onona_jax.serve import convert
+from onona_jax import models as model
 from onona_jax.config import ffn_width
-from onona_jax.torch_ref import TwinQwen3
+from onona_jax.serve.torch_ref import TwinQwen3
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = os.path.join(REPO, "configs", "paper.py")

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from onona_jax import trainer
+from onona_jax import train as trainer
 from onona_jax.checkpoint import Checkpoints
 from onona_jax.data import pipeline
 

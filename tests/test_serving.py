@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from onona_jax import config, model, moe, serving
+from onona_jax import config
+from onona_jax import models as model
+from onona_jax.models import moe
+from onona_jax.serve import server as serving
 from onona_jax import params as params_lib
 
 PAPER = os.path.join(REPO, "configs", "paper.py")
@@ -260,3 +263,26 @@ def test_sampling_modes(twin_server):
             server.generate(prompts, 2, one_projection=True, **bad)
     with pytest.raises(ValueError, match="max_len"):
         server.generate([[1] * 30], 8)
+
+
+def test_top_k_and_top_p_truncate_exactly_the_tail():
+    """`sample_log_probs` keeps exactly the k most probable tokens (top-k) and the smallest
+    most-probable set reaching p (top-p): 20,000 draws from a known 12-token distribution
+    land only in the kept set and hit every token of it; without truncation the tail is hit."""
+    p = np.array([0.30, 0.20, 0.12, 0.10, 0.08, 0.06, 0.05, 0.04, 0.02, 0.015, 0.01, 0.005])
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(p.size)  # the order of the vocabulary must not matter
+    log_p = jnp.log(jnp.asarray(p[perm], jnp.float32))
+    n = 20_000
+    draws = lambda **kw: set(np.asarray(serving.sample_log_probs(  # noqa: E731
+        jax.random.key(3), jnp.broadcast_to(log_p, (n, p.size)), **kw)).tolist())
+    rank = {int(tok): r for r, tok in enumerate(np.argsort(-p[perm], kind="stable"))}
+    top = lambda k: {t for t, r in rank.items() if r < k}  # noqa: E731
+    assert draws() == set(range(p.size))  # untruncated: every token, the 0.5% one included
+    assert draws(top_k=3) == top(3)
+    # top_p = 0.6: 0.30 + 0.20 = 0.50 < 0.6, + 0.12 = 0.62 ≥ 0.6 -> the three most probable
+    assert draws(top_p=0.6) == top(3)
+    assert draws(top_p=0.45) == top(2)  # 0.30 + 0.20 = 0.50 ≥ 0.45: two tokens
+    # top-k first, then top-p on the renormalised top 5 (0.375, 0.25, 0.15, 0.125, 0.1):
+    # 0.775 < 0.85 ≤ 0.9 -> four tokens
+    assert draws(top_k=5, top_p=0.85) == top(4)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_steps, tiny_config
-from onona_jax import config, optim, trainer
+from onona_jax import config
+from onona_jax.train import optimizer as optim
+from onona_jax import train as trainer
 from onona_jax.data import pipeline
 
 
@@ -81,7 +83,7 @@ def test_scan_and_loop_train_identically(tiny_data):
 
 
 def test_checkpoint_restores_on_another_mesh(tiny_data, tmp_path):
-    from onona_jax import evaluation
+    from onona_jax.eval import validation as evaluation
 
     cfg = tiny_config(tiny_data, steps=4, checkpoint_every=2)
     cfg.mesh.data = 8

@@ -7,7 +7,8 @@ import jax
 import pytest
 
 from conftest import tiny_config
-from onona_jax import evaluation, trainer
+from onona_jax.checkpoint import restore_params
+from onona_jax import train as trainer
 
 
 def test_upcycled_twin_starts_at_the_standard_loss(tiny_data, tmp_path):
@@ -26,7 +27,7 @@ def test_upcycled_twin_starts_at_the_standard_loss(tiny_data, tmp_path):
     # The upcycled parameters themselves: A = B = E and the same body.
     run = trainer.setup(twin_cfg)
     state = trainer.upcycle(run, trainer.init_state(run, 0), str(tmp_path / "std"))
-    _, src, _, _ = evaluation.load_run(str(tmp_path / "std"), mesh=(8, 1, 1))
+    src, _, _, _ = restore_params(str(tmp_path / "std"), mesh=(8, 1, 1))
     assert (state["params"]["head"]["A"] == src["head"]["embedding"]).all()
     assert (state["params"]["head"]["B"] == src["head"]["embedding"]).all()
     for a, b in zip(jax.tree.leaves(state["params"]["trunk"]), jax.tree.leaves(src["trunk"])):
@@ -43,3 +44,12 @@ def test_upcycling_refuses_a_twin_source(tiny_data, tmp_path):
     cfg2.init_from = str(tmp_path / "twin")
     with pytest.raises(ValueError, match="standard checkpoint"):
         trainer.train(cfg2, str(tmp_path / "again"), progress=False)
+
+
+@pytest.mark.parametrize("head", ["standard", "untied", "mos", "sigsoftmax"])
+def test_upcycling_into_a_head_without_A_and_B_is_refused(tiny_data, head):
+    """Only the heads that declare `upcycles` (A and B to fill with E) take init_from; the
+    check comes before anything is read (the source here does not even exist)."""
+    run = trainer.setup(tiny_config(tiny_data, head=head))
+    with pytest.raises(ValueError, match=f"head '{head}' has no A and B to fill .*twin"):
+        trainer.upcycle(run, None, "/nonexistent/run")

@@ -13,11 +13,14 @@ when two runs share a name). Prints every run's final value (the value at its la
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
+
+from absl import flags
+
+from onona_jax import cli
 
 
 def load_curve(workdir: str, metric: str = "val_loss") -> tuple[list[int], list[float]]:
@@ -109,27 +112,28 @@ def table(runs: list[dict], metric: str) -> str:
     return "\n".join(lines)
 
 
+def define(fv, argv):
+    flags.DEFINE_string("output", "curves.png", "figure path (PNG)", flag_values=fv)
+    flags.DEFINE_string("metric", "val_loss", "metrics.jsonl key to plot", flag_values=fv)
+    flags.DEFINE_string("title", "", "figure title", flag_values=fv)
+    flags.DEFINE_string("json", None, "also write the curves and final values here", flag_values=fv)
+
+
+def _main(fv, workdirs):
+    if not workdirs:
+        raise cli.UsageError("give one or more training run directories: curves DIR [DIR ...]")
+    runs = collect(workdirs, fv.metric)
+    print(table(runs, fv.metric))
+    if plot(runs, fv.output, fv.metric, fv.title):
+        print(f"wrote {fv.output}", file=sys.stderr)
+    if fv.json:
+        with open(fv.json, "w") as f:
+            json.dump({"metric": fv.metric, "runs": runs}, f, indent=2)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workdirs", nargs="+", metavar="DIR", help="training run directories")
-    ap.add_argument("--output", default="curves.png", help="figure path (PNG)")
-    ap.add_argument("--metric", default="val_loss", help="metrics.jsonl key to plot")
-    ap.add_argument("--title", default="", help="figure title")
-    ap.add_argument("--json", default=None, help="also write the curves and final values here")
-    args = ap.parse_args(argv)
-    try:
-        runs = collect(args.workdirs, args.metric)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(table(runs, args.metric))
-    if plot(runs, args.output, args.metric, args.title):
-        print(f"wrote {args.output}", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"metric": args.metric, "runs": runs}, f, indent=2)
-    return 0
+    return cli.run(define, _main, argv, __doc__)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run_module(define, _main, __doc__)

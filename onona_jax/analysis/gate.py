@@ -24,7 +24,6 @@ error. Definitions of every statistic are in the functions below (pure numpy, te
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,16 +31,15 @@ import unicodedata
 
 import numpy as np
 
+from absl import flags
+
+from onona_jax import cli, heads
 from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
 
 QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
-# Which rows the gate reads, per gated head (heads.py: `gate_rows`): (symbol, definition).
-GATED_HEADS = {
-    "twin": ("M", "M = (A+B)/2"),
-    "input_gate": ("M", "M = (A+B)/2"),
-    "twin_output_only": ("A", "the table A"),
-}
+# The heads with a gate and the rows it reads (symbol, definition): declared by the heads.
+GATED_HEADS = {n: heads.head_class(n).gate_reads for n in heads.HEADS if heads.head_class(n).gated}
 
 CLASSES = {  # name -> definition; `classify` applies them in this order, the first match wins
     "special": "the end-of-text token <|endoftext|> (50256)",
@@ -60,17 +58,15 @@ CLASSES = {  # name -> definition; `classify` applies them in this order, the fi
 
 
 def gate_rows(params, head: str) -> np.ndarray:
-    """The rows the gate reads for every table row, fp32 [V, d]: M = (A+B)/2 (as
-    `TwinHead.merged`, bitwise) or A (twin_output_only)."""
+    """The rows the gate reads for every table row, fp32 [V, d] (`Head.gate_table_of`:
+    M = (A+B)/2, bitwise as the model computes it, or A for twin_output_only)."""
     if head not in GATED_HEADS:
         raise ValueError(
             f"gate analysis needs a gated head ({', '.join(GATED_HEADS)}); this run has head {head!r}, "
             "which has no gate"
         )
-    A = np.asarray(params["head"]["A"], np.float32)
-    if head == "twin_output_only":
-        return A
-    return (A + np.asarray(params["head"]["B"], np.float32)) * np.float32(0.5)
+    tables = {k: np.asarray(v, np.float32) for k, v in params["head"].items() if k in ("A", "B")}
+    return np.asarray(heads.head_class(head).gate_table_of(tables), np.float32)
 
 
 def gate_values(rows: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -78,8 +74,6 @@ def gate_values(rows: np.ndarray, w: np.ndarray) -> np.ndarray:
     fp32 matmul precision on every backend)."""
     import jax
     import jax.numpy as jnp
-
-    from onona_jax import heads
 
     with jax.default_matmul_precision("highest"):
         z = heads.gate_logit(jnp.asarray(rows, jnp.float32), jnp.asarray(w, jnp.float32))
@@ -250,27 +244,13 @@ def analyze_arrays(g: np.ndarray, counts: np.ndarray | None, raw: list[bytes], t
 # ----------------------------------------------------------------------------- a run
 
 
-def checkpoint_config(workdir: str, step: int | None = None):
-    """The config saved with a checkpoint (without restoring any array)."""
-    import ml_collections
-
-    from onona_jax.checkpoint import Checkpoints
-
-    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
-    if not ckpts.steps():
-        raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
-    use = step if step is not None else ckpts.latest()
-    if use not in ckpts.steps():
-        raise ValueError(f"no checkpoint at step {use} in {ckpts.directory}; have {ckpts.steps()}")
-    return ml_collections.ConfigDict(ckpts.restore_config(use))
-
-
 def analyze(workdir: str, step: int | None = None, data_dir: str | None = None, split: str = "train",
             top: int = 30, min_count: int = 10, max_tokens: int = 0, mesh=(-1, 1, 1)):
     """(report dict, g [n], counts [n]) for a run's checkpoint (the latest unless `step`)."""
-    from onona_jax import evaluation
+    from onona_jax.checkpoint import restore_params, saved_config
+    from onona_jax.eval import validation as evaluation
 
-    cfg = checkpoint_config(workdir, step)
+    cfg = saved_config(workdir, step)
     head = cfg.model.head
     if head not in GATED_HEADS:
         raise ValueError(
@@ -279,7 +259,7 @@ def analyze(workdir: str, step: int | None = None, data_dir: str | None = None, 
         )
     if split not in ("train", "heldout"):
         raise ValueError(f"split {split!r}: train or heldout")
-    _, params, step, cfg = evaluation.load_run(workdir, step, mesh)
+    params, step, cfg, _ = restore_params(workdir, step, mesh)
     n = min(TOKENIZER_VOCAB, int(cfg.model.vocab_size))
     rows = gate_rows(params, head)[:n]
     g = gate_values(rows, np.asarray(params["head"]["gate"], np.float32))
@@ -420,36 +400,31 @@ def write(report: dict, g: np.ndarray, counts: np.ndarray | None, output_dir: st
     return paths
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", required=True, help="run directory with checkpoints/")
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    ap.add_argument("--output_dir", default=None, help="default: WORKDIR/analysis")
-    ap.add_argument("--top", type=int, default=30, help="tokens per top list")
-    ap.add_argument("--min_count", type=int, default=10, help="occurrences for the 'frequent' top lists")
-    ap.add_argument("--data_dir", default=None, help="prepared data to count tokens in (default: the run's)")
-    ap.add_argument("--split", default="train", choices=("train", "heldout"), help="split to count tokens in")
-    ap.add_argument("--max_tokens", type=int, default=0, help="count only the split's first N tokens (0: all)")
-    ap.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes to restore onto")
-    args = ap.parse_args(argv)
-    try:
-        mesh = tuple(int(x) for x in args.mesh.split(","))
-        report, g, counts = analyze(args.workdir, args.step, args.data_dir, args.split, args.top,
-                                    args.min_count, args.max_tokens, mesh)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    paths = write(report, g, counts, args.output_dir or os.path.join(args.workdir, "analysis"))
+def define(fv, argv):
+    flags.DEFINE_string("workdir", None, "run directory with checkpoints/", flag_values=fv, required=True)
+    flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=fv)
+    flags.DEFINE_string("output_dir", None, "default: WORKDIR/analysis", flag_values=fv)
+    flags.DEFINE_integer("top", 30, "tokens per top list", flag_values=fv)
+    flags.DEFINE_integer("min_count", 10, "occurrences for the 'frequent' top lists", flag_values=fv)
+    flags.DEFINE_string("data_dir", None, "prepared data to count tokens in (default: the run's)", flag_values=fv)
+    flags.DEFINE_enum("split", "train", ("train", "heldout"), "split to count tokens in", flag_values=fv)
+    flags.DEFINE_integer("max_tokens", 0, "count only the split's first N tokens (0: all)", flag_values=fv)
+    cli.define_mesh(fv)
+
+
+def _main(fv, args):
+    if args:
+        raise cli.UsageError(f"unexpected arguments {args}")
+    report, g, counts = analyze(fv.workdir, fv.step, fv.data_dir, fv.split, fv.top, fv.min_count,
+                                fv.max_tokens, cli.mesh(fv))
+    paths = write(report, g, counts, fv.output_dir or os.path.join(fv.workdir, "analysis"))
     print(markdown(report))
     print("wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run(define, _main, argv, __doc__)
 
 
 if __name__ == "__main__":
-    from onona_jax import platform
-
-    platform.initialize()
-    from absl import logging as _absl_logging
-
-    _absl_logging.set_verbosity(_absl_logging.ERROR)  # Orbax warns that a read-only manager won't save
-    sys.exit(main())
+    cli.run_module(define, _main, __doc__)

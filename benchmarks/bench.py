@@ -1,0 +1,564 @@
+"""Performance of the training step, the data pipeline and decoding, standard vs twin.
+
+    python benchmarks/bench.py [--size=142m|small|tiny] [--steps=5] [--output=bench.json]
+        [--time_size=small] [--chunks=2048,4096,8192,16384] [--remat=none,full]
+        [--sections=memory,flops,time,data,decode] [--override model.attention_impl=cudnn]
+
+Sections (each a table on stdout and a key of the JSON output):
+
+* memory  -- the compiled train step of `--size` at the paper's micro-batch (16 × 1,024 by
+  default, one device, no accumulation): XLA's `memory_analysis()` peak temporary and
+  argument bytes, for standard and twin with the plain and the fused loss (and the fused
+  loss at every `--chunks` size). Lowered from abstract shapes, so nothing of the model is
+  allocated; exact and free of timing noise. Ratios twin/standard per loss.
+* flops   -- XLA's `cost_analysis()["flops"]` of the step beside `summary.flops_per_token ×
+  tokens`. XLA counts a scan body once, so this lowers with `scan_layers=False` and, for the
+  fused loss, one vocabulary tile (`loss_chunk ≥ V`; the FLOPs do not depend on the chunk).
+  The fused loss recomputes the logits in the backward pass: +2·V·d FLOPs per token and
+  table over `flops_per_token`, which counts model FLOPs. The lowered (unoptimised) module
+  shows that recompute; in the compiled one XLA may merge the one tile's forward and
+  backward logits (common-subexpression elimination), which the real chunked scan cannot.
+* time    -- step time at `--time_size` (default small, that size's own batch and sequence
+  unless `--time_batch/--time_seq`), every variant compiled first and then stepped
+  round-robin (the order rotating each round), so machine noise hits all alike; medians
+  over `--steps`. tokens/s, achieved model TFLOP/s and MFU where `trainer.peak_tflops`
+  knows the device (not on CPU). The twin/standard step-time ratio against the FLOP ratio,
+  as a ratio of medians and "paired" (the median over rounds of the two arms' time ratio in
+  the same round, which cancels load that changes between rounds).
+* data    -- tokens/s of `data.pipeline.train_batches` over the bundled corpus (prepared
+  once into a temporary directory) at the timing shape and at `--size`'s training shape,
+  against the fastest measured train step's consumption (target ≥ 10×) and against the
+  rate one H200 would consume at 45% MFU.
+* decode  -- `serving.Server.generate` tokens/s at `--time_size` (random-init weights, no
+  stop token): greedy and temperature-1 sampling of the mixture (two projections) and the
+  exact one-projection sampler (twin), and standard greedy/sampling; round-robin, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import platform as host_platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from onona_jax import config as config_lib
+from onona_jax import summary
+from onona_jax import train as trainer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper.py"
+GIB = 2.0 ** 30
+HEADS = ("standard", "twin")
+LOSSES = ("plain", "fused")
+SECTIONS = ("memory", "flops", "time", "data", "decode")
+H200_TARGET_MFU = 0.45
+PAPER_142M_TWIN_TOKENS_PER_S = 422_000  # 2×H100 (SPEC §6)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+OVERRIDES: dict = {}  # --override key=value, applied to every config (e.g. model.attention_impl)
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--override {text!r}: expected key=value")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def make_config(size, head, loss="fused", chunk=None, batch=None, seq=None, scan=True, remat=None):
+    """The paper's Dense config on one device, one micro-batch of `batch` × `seq` a step."""
+    cfg = config_lib.load(f"{CONFIGS}:dense-{size}-{head}")
+    if OVERRIDES:
+        cfg.update_from_flattened_dict(OVERRIDES)
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+    cfg.model.loss = loss
+    if chunk:
+        cfg.model.loss_chunk = int(chunk)
+    cfg.model.scan_layers = scan
+    if remat:
+        cfg.model.remat = remat
+    if seq:
+        cfg.data.seq_len = int(seq)
+    batch = int(batch or cfg.train.global_batch)
+    cfg.train.global_batch = cfg.train.micro_batch = batch
+    return config_lib.validate(cfg)
+
+
+def variant_name(head, loss, chunk=None, default_chunk=None):
+    if loss == "fused" and chunk and chunk != default_chunk:
+        return f"{head}/fused@{chunk}"
+    return f"{head}/{loss}"
+
+
+def lower_step(cfg):
+    """(run, Lowered train step) from abstract shapes: nothing of the model is allocated."""
+    run = trainer.setup(cfg, jax.devices()[:1])
+    state = trainer.abstract_train_state(run)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=run.batch_sharding)
+    return run, trainer.make_train_step(run).lower(state, batch)
+
+
+def memory_stats(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    return {
+        "temp_gib": ma.temp_size_in_bytes / GIB,
+        "argument_gib": ma.argument_size_in_bytes / GIB,
+        "output_gib": ma.output_size_in_bytes / GIB,
+        "alias_gib": ma.alias_size_in_bytes / GIB,
+    }
+
+
+def model_flops_per_token(cfg) -> float:
+    return summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
+
+
+def default_chunk() -> int:
+    return int(config_lib.base_config().model.loss_chunk)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def bench_memory(size, batch, seq, chunks, remats, log):
+    """Peak temporary / argument memory of the compiled step per head × loss (× chunk)."""
+    dc = default_chunk()
+    out = {"size": size, "batch": batch, "seq_len": seq, "default_chunk": dc, "by_remat": {}}
+    for remat in remats:
+        rows = {}
+        specs = [(h, "plain", None) for h in HEADS] + [(h, "fused", dc) for h in HEADS]
+        specs += [(h, "fused", c) for c in chunks if c != dc for h in HEADS]
+        for head, loss, chunk in specs:
+            cfg = make_config(size, head, loss, chunk, batch, seq, remat=remat)
+            t0 = time.perf_counter()
+            _, lowered = lower_step(cfg)
+            compiled = lowered.compile()
+            name = variant_name(head, loss, chunk, dc)
+            rows[name] = {**memory_stats(compiled), "head": head, "loss": loss,
+                          "chunk": chunk if loss == "fused" else None,
+                          "compile_s": time.perf_counter() - t0}
+            log(f"  memory {size} remat={remat} {name}: temp {rows[name]['temp_gib']:.3f} GiB "
+                f"({rows[name]['compile_s']:.0f} s to compile)")
+        ratios = {}
+        for loss in LOSSES:
+            ratios[f"{loss}_twin/{loss}_standard"] = rows[f"twin/{loss}"]["temp_gib"] / rows[f"standard/{loss}"]["temp_gib"]
+        ratios["fused_twin/plain_standard"] = rows["twin/fused"]["temp_gib"] / rows["standard/plain"]["temp_gib"]
+        for c in chunks:
+            t, s = variant_name("twin", "fused", c, dc), variant_name("standard", "fused", c, dc)
+            ratios[f"fused@{c}_twin/standard"] = rows[t]["temp_gib"] / rows[s]["temp_gib"]
+        deltas = {loss: (rows[f"twin/{loss}"]["temp_gib"] - rows[f"standard/{loss}"]["temp_gib"]) for loss in LOSSES}
+        out["by_remat"][remat] = {"rows": rows, "temp_ratios": ratios, "twin_minus_standard_temp_gib": deltas}
+    return out
+
+
+def format_memory(mem) -> str:
+    lines = [f"Memory: compiled train step, {mem['size']} Dense, micro-batch {mem['batch']} × "
+             f"{mem['seq_len']}, one device (XLA memory_analysis, GiB)"]
+    for remat, r in mem["by_remat"].items():
+        lines.append(f"  remat={remat}")
+        lines.append(f"  {'variant':<22}{'peak temp':>12}{'arguments':>12}{'temp / std (same loss)':>25}")
+        for name, row in r["rows"].items():
+            std = r["rows"][name.replace("twin", "standard")]["temp_gib"]
+            lines.append(f"  {name:<22}{row['temp_gib']:>12.3f}{row['argument_gib']:>12.3f}{row['temp_gib'] / std:>25.3f}")
+        for k, v in r["temp_ratios"].items():
+            lines.append(f"    {k:<34} {v:.3f}")
+        d = r["twin_minus_standard_temp_gib"]
+        lines.append(f"    twin − standard peak temp: plain {d['plain']:+.3f} GiB, fused {d['fused']:+.3f} GiB")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- flops
+
+
+def bench_flops(size, batch, seq, log, compiled=True):
+    """XLA's FLOP count of the unscanned step (one vocabulary tile for the fused loss): of the
+    lowered module (what the program asks for) and, with `compiled`, of the optimised one."""
+    rows = {}
+    for head in HEADS:
+        for loss in LOSSES:
+            base = make_config(size, head, loss, None, batch, seq)
+            V = base.model.vocab_size
+            cfg = make_config(size, head, loss, V if loss == "fused" else None, batch, seq, scan=False)
+            t0 = time.perf_counter()
+            _, lowered = lower_step(cfg)
+            xla = float(lowered.cost_analysis()["flops"])
+            xla_c = float(lowered.compile().cost_analysis()["flops"]) if compiled else None
+            tokens = batch * seq
+            ours = model_flops_per_token(cfg) * tokens
+            d = cfg.model.d_model
+            recompute = (2 if head == "twin" else 1) * 2 * V * d * tokens if loss == "fused" else 0.0
+            name = f"{head}/{loss}"
+            rows[name] = {"xla_flops": xla, "xla_compiled_flops": xla_c, "model_flops": ours,
+                          "xla/model": xla / ours, "fused_recompute_flops": recompute,
+                          "xla/(model+recompute)": xla / (ours + recompute),
+                          "compile_s": time.perf_counter() - t0}
+            log(f"  flops {size} {name}: XLA {xla:.4e} (compiled {xla_c or float('nan'):.4e}), ours {ours:.4e} "
+                f"({time.perf_counter() - t0:.0f} s)")
+    ratios = {
+        "model_twin/standard": rows["twin/plain"]["model_flops"] / rows["standard/plain"]["model_flops"],
+        **{f"xla_{loss}_twin/standard": rows[f"twin/{loss}"]["xla_flops"] / rows[f"standard/{loss}"]["xla_flops"]
+           for loss in LOSSES},
+    }
+    return {"size": size, "batch": batch, "seq_len": seq, "rows": rows, "ratios": ratios}
+
+
+def format_flops(fl) -> str:
+    lines = [f"FLOPs per train step, {fl['size']} Dense, {fl['batch']} × {fl['seq_len']} tokens: XLA cost_analysis "
+             "of the unscanned step (lowered; compiled) vs summary.flops_per_token × tokens (model FLOPs);",
+             "  rc = the fused loss's backward recompute of the logits, 2·V·d per token and table",
+             f"  {'variant':<16}{'XLA lowered':>13}{'XLA compiled':>14}{'ours':>12}{'XLA/ours':>10}"
+             f"{'rc':>11}{'XLA/(ours+rc)':>15}"]
+    for name, r in fl["rows"].items():
+        comp = f"{r['xla_compiled_flops']:>14.4e}" if r["xla_compiled_flops"] else f"{'-':>14}"
+        lines.append(f"  {name:<16}{r['xla_flops']:>13.4e}{comp}{r['model_flops']:>12.4e}{r['xla/model']:>10.4f}"
+                     f"{r['fused_recompute_flops']:>11.3e}{r['xla/(model+recompute)']:>15.4f}")
+    lines += [f"    {k:<28} {v:.4f}" for k, v in fl["ratios"].items()]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def round_robin(fns: dict, steps: int, warmup: int = 1) -> dict:
+    """Call every fn once per round (order rotating), `warmup` untimed rounds first;
+    returns the per-call seconds of each."""
+    names = list(fns)
+    times = {n: [] for n in names}
+    for r in range(warmup + steps):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            fns[n]()
+            if r >= warmup:
+                times[n].append(time.perf_counter() - t0)
+    return times
+
+
+_DATA: dict = {}  # the bundled corpus, prepared once per process into a temporary directory
+
+
+def prepared_data(seq_len):
+    from onona_jax.data import pipeline
+
+    cache = _DATA
+    if "dir" not in cache:
+        cache["tmp"] = tempfile.TemporaryDirectory(prefix="onona-bench-")
+        cache["dir"] = os.path.join(cache["tmp"].name, "data")
+        t0 = time.perf_counter()
+        pipeline.ensure_bundled_data(cache["dir"], seq_len)
+        cache["prepare_s"] = time.perf_counter() - t0
+    pipeline.TokenStore(cache["dir"], "train").num_windows(seq_len)
+    return cache["dir"]
+
+
+def bench_time(size, batch, seq, chunks, steps, log):
+    """Step time of every head × loss (× chunk) at one size, stepped round-robin."""
+    from onona_jax.data import pipeline
+
+    dc = default_chunk()
+    specs = [(h, "plain", None) for h in HEADS] + [(h, "fused", dc) for h in HEADS]
+    specs += [(h, "fused", c) for c in chunks if c != dc for h in HEADS]
+    probe = make_config(size, "twin", batch=batch, seq=seq)
+    batch, seq = probe.train.global_batch, probe.data.seq_len
+    data_dir = prepared_data(seq)
+    tokens = np.asarray(next(pipeline.train_batches(data_dir, seq, batch)))
+    fns, rows, states = {}, {}, {}
+    for head, loss, chunk in specs:
+        name = variant_name(head, loss, chunk, dc)
+        cfg = make_config(size, head, loss, chunk, batch, seq)
+        t0 = time.perf_counter()
+        run, lowered = lower_step(cfg)
+        compiled = lowered.compile()
+        states[name] = trainer.init_state(run, cfg.seed)
+        b = trainer.global_batch(run, tokens)
+        peak = trainer.peak_tflops(cfg)
+
+        def step(name=name, compiled=compiled, b=b):
+            states[name], m = compiled(states[name], b)
+            jax.block_until_ready((states[name], m))
+
+        fns[name] = step
+        rows[name] = {"head": head, "loss": loss, "chunk": chunk if loss == "fused" else None,
+                      "compile_s": time.perf_counter() - t0, **memory_stats(compiled),
+                      "flops_per_step": model_flops_per_token(cfg) * batch * seq,
+                      "peak_tflops": peak}
+        log(f"  time {size} {name}: compiled in {rows[name]['compile_s']:.1f} s")
+    times = round_robin(fns, steps)
+    for name, ts in times.items():
+        r = rows[name]
+        med = statistics.median(ts)
+        r.update(times_s=ts, median_s=med, min_s=min(ts), tokens_per_s=batch * seq / med,
+                 model_tflops_per_s=r["flops_per_step"] / med / 1e12)
+        r["mfu"] = r["model_tflops_per_s"] / r["peak_tflops"] if r["peak_tflops"] else None
+    def paired(a, b):
+        """Median over rounds of a's time / b's time in the same round (shared noise)."""
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    ratios = {}
+    flop_ratio = rows["twin/plain"]["flops_per_step"] / rows["standard/plain"]["flops_per_step"]
+    for loss in LOSSES:
+        t = rows[f"twin/{loss}"]["median_s"] / rows[f"standard/{loss}"]["median_s"]
+        p = paired(f"twin/{loss}", f"standard/{loss}")
+        ratios[loss] = {"step_time_ratio": t, "paired_step_time_ratio": p, "flop_ratio": flop_ratio,
+                        "time/flop": t / flop_ratio, "paired_time/flop": p / flop_ratio,
+                        "met": t <= 1.03 * flop_ratio}
+    fused_vs_plain = {h: rows[f"{h}/fused"]["median_s"] / rows[f"{h}/plain"]["median_s"] for h in HEADS}
+    paired_vs = {f"{a} vs {b}": paired(a, b) for a in rows for b in (f"{rows[a]['head']}/plain", f"{rows[a]['head']}/fused")
+                 if a != b and not (a.endswith("/plain") and b.endswith("/fused"))}
+    best = {h: min((r["median_s"], r["chunk"]) for r in rows.values() if r["head"] == h and r["loss"] == "fused")[1]
+            for h in HEADS}
+    return {"size": size, "batch": batch, "seq_len": seq, "steps": steps, "device": jax.devices()[0].device_kind,
+            "rows": rows, "twin/standard": ratios, "fused/plain_time": fused_vs_plain, "paired": paired_vs,
+            "best_chunk": best}
+
+
+def format_time(tm) -> str:
+    lines = [f"Step time, {tm['size']} Dense, {tm['batch']} × {tm['seq_len']} tokens, {tm['device']}, "
+             f"median of {tm['steps']} round-robin steps",
+             f"  {'variant':<22}{'median s':>10}{'min s':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'temp GiB':>10}"]
+    for name, r in tm["rows"].items():
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        lines.append(f"  {name:<22}{r['median_s']:>10.4f}{r['min_s']:>10.4f}{r['tokens_per_s']:>12,.0f}"
+                     f"{r['model_tflops_per_s']:>10.4f}{mfu:>8}{r['temp_gib']:>10.3f}")
+    for loss, r in tm["twin/standard"].items():
+        lines.append(f"    twin/standard ({loss}): step time {r['step_time_ratio']:.3f} (paired {r['paired_step_time_ratio']:.3f})"
+                     f" vs FLOPs {r['flop_ratio']:.3f} -> {r['time/flop']:.3f} × (paired {r['paired_time/flop']:.3f};"
+                     f" target ≤ 1.03: {'met' if r['met'] else 'not met'})")
+    lines.append("    paired step-time ratios (median over rounds of time a / time b): "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in tm["paired"].items()))
+    lines.append("    fused/plain step time: " + ", ".join(f"{h} {v:.3f}" for h, v in tm["fused/plain_time"].items()))
+    lines.append("    fastest fused chunk: " + ", ".join(f"{h} {c}" for h, c in tm["best_chunk"].items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def bench_data(shapes, consumption, flops_142m_twin, log, batches=20):
+    """tokens/s of the training batch iterator at each (label, seq_len, global_batch)."""
+    from onona_jax.data import pipeline
+
+    out = {"rows": {}}
+    for label, seq, gb in shapes:
+        data_dir = prepared_data(seq)
+        it = pipeline.train_batches(data_dir, seq, gb)
+        next(it)  # start-up and the first prefetch
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            b = next(it)
+        dt = time.perf_counter() - t0
+        assert b.shape == (gb, seq + 1)
+        out["rows"][label] = {"seq_len": seq, "global_batch": gb, "batches": batches,
+                              "tokens_per_s": batches * gb * seq / dt}
+        log(f"  data {label}: {out['rows'][label]['tokens_per_s']:,.0f} tokens/s")
+    h200 = H200_TARGET_MFU * trainer.PEAK_TFLOPS["H200"] * 1e12 / flops_142m_twin
+    out["needs"] = {"fastest_measured_step": consumption,
+                    "paper_142m_twin_2xH100": PAPER_142M_TWIN_TOKENS_PER_S,
+                    "one_H200_142m_twin_at_45%_MFU": h200}
+    out["ratios"] = {f"{label}/{need}": r["tokens_per_s"] / v
+                     for label, r in out["rows"].items() for need, v in out["needs"].items() if v}
+    first = next(iter(out["rows"].values()))["tokens_per_s"]
+    out["ratio_vs_step"] = first / consumption if consumption else None
+    out["prepare_s"] = _DATA.get("prepare_s")
+    return out
+
+
+def format_data(dt) -> str:
+    lines = ["Data pipeline (train_batches over the bundled corpus, one read thread, prefetch 2)"]
+    for label, r in dt["rows"].items():
+        lines.append(f"  {label:<28} {r['global_batch']:>4} × {r['seq_len']:<5} {r['tokens_per_s']:>14,.0f} tokens/s")
+    for need, v in dt["needs"].items():
+        lines.append(f"    consumption {need:<34} {v:>12,.0f} tokens/s" if v else f"    consumption {need}: n/a")
+    for k, v in dt["ratios"].items():
+        lines.append(f"    {k:<64} {v:>10.1f} ×")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def bench_decode(size, steps, log, batch=8, prompt_len=16, new_tokens=64):
+    """Decode tokens/s through `serving.Server.generate` (the serving path's own timing of
+    its on-device decode loop, compile excluded), round-robin over modes, medians."""
+    from onona_jax import models as model_lib
+    from onona_jax.serve.server import Server
+
+    modes = {
+        "twin/greedy": ("twin", dict(greedy=True)),
+        "twin/sample_two_projection": ("twin", dict(temperature=1.0)),
+        "twin/sample_one_projection": ("twin", dict(one_projection=True)),
+        "standard/greedy": ("standard", dict(greedy=True)),
+        "standard/sample": ("standard", dict(temperature=1.0)),
+    }
+    servers = {}
+    for head in HEADS:
+        cfg = make_config(size, head)
+        _, params = model_lib.init(cfg.model, cfg.seed)
+        servers[head] = Server(cfg, params, max_len=max(cfg.data.seq_len, prompt_len + new_tokens))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 50257, (batch, prompt_len)).tolist()
+    stats = {m: [] for m in modes}
+
+    def call(mode):
+        head, kw = modes[mode]
+        s = servers[head]
+        s.generate(prompts, new_tokens, seed=len(stats[mode]), **kw)
+        stats[mode].append(dict(s.last_stats))
+
+    fns = {m: (lambda m=m: call(m)) for m in modes}
+    times = round_robin(fns, steps)  # a failing decode is an error of the bench, never "not measured"
+    rows = {}
+    for m in modes:
+        st = stats[m][1:]  # the first call compiled
+        rows[m] = {"decode_tokens_per_s": statistics.median(s["decode_tokens_per_s"] for s in st),
+                   "tokens_per_s": statistics.median(s["tokens_per_s"] for s in st),
+                   "call_s": statistics.median(times[m])}
+        log(f"  decode {m}: {rows[m]['decode_tokens_per_s']:,.0f} tokens/s")
+    one, two = rows["twin/sample_one_projection"], rows["twin/sample_two_projection"]
+    ratio = one["decode_tokens_per_s"] / two["decode_tokens_per_s"]
+    return {"status": "measured", "size": size, "batch": batch, "prompt_len": prompt_len,
+            "new_tokens": new_tokens, "rows": rows, "one/two_projection": ratio, "met": ratio >= 1.3}
+
+
+def format_decode(dc) -> str:
+    if dc.get("status") != "measured":
+        return f"Decode: {dc.get('status')}"
+    lines = [f"Decode, {dc['size']} Dense (random init), batch {dc['batch']}, prompt {dc['prompt_len']}, "
+             f"{dc['new_tokens']} new tokens, medians",
+             f"  {'mode':<30}{'decode tokens/s':>16}{'incl. prefill':>15}"]
+    for m, r in dc["rows"].items():
+        lines.append(f"  {m:<30}{r['decode_tokens_per_s']:>16,.0f}{r['tokens_per_s']:>15,.0f}")
+    lines.append(f"    one-projection / two-projection sampling: {dc['one/two_projection']:.3f} × "
+                 f"(target ≥ 1.3: {'met' if dc['met'] else 'not met'})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def targets(res) -> dict:
+    """The issue's targets, each met / not met / not measured, with the number behind it."""
+    out = {}
+    mem = res.get("memory")
+    if mem:
+        r = mem["by_remat"][next(iter(mem["by_remat"]))]["temp_ratios"]
+        out["fused twin peak temp ≤ 1.05 × standard (142M shapes)"] = {
+            "value": r["fused_twin/fused_standard"], "plain_twin_ratio": r["plain_twin/plain_standard"],
+            "status": ("met" if r["fused_twin/fused_standard"] <= 1.05 else "not met")
+            + ("" if mem["size"] == "142m" else f" (at {mem['size']}, not 142m)")}
+    tm = res.get("time")
+    if tm:
+        r = tm["twin/standard"]["fused"]
+        out["twin/standard step time ≤ 1.03 × FLOP ratio"] = {
+            "value": r["time/flop"], "status": ("met" if r["met"] else "not met") + f" ({tm['device']}, {tm['size']})"}
+    dt = res.get("data")
+    if dt and dt.get("ratio_vs_step"):
+        out["data pipeline ≥ 10 × consumption"] = {
+            "value": dt["ratio_vs_step"], "status": "met" if dt["ratio_vs_step"] >= 10 else "not met"}
+    dc = res.get("decode")
+    if dc:
+        out["one-projection sampling ≥ 1.3 × two-projection tokens/s"] = (
+            {"value": dc["one/two_projection"], "status": "met" if dc["met"] else "not met"}
+            if dc.get("status") == "measured" else {"value": None, "status": dc.get("status")})
+    key = "≥ 45% MFU on one H200, 142M twin"
+    mfu = tm["rows"]["twin/fused"]["mfu"] if tm else None
+    if "H200" not in jax.devices()[0].device_kind:
+        out[key] = {"value": mfu, "status": f"not measured (no H200 here: {jax.devices()[0].device_kind}; "
+                                            "run scripts/gpu_mfu.sh on one)"}
+    elif not tm or tm["size"] != "142m" or mfu is None:
+        out[key] = {"value": mfu, "status": "not measured (time the 142m size: scripts/gpu_mfu.sh)"}
+    else:
+        out[key] = {"value": mfu, "status": "met" if mfu >= H200_TARGET_MFU else "not met"}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="142m", choices=("142m", "small", "tiny", "330m", "1b"),
+                    help="memory and FLOP shapes")
+    ap.add_argument("--micro_batch", type=int, default=16, help="rows per step for memory/FLOPs")
+    ap.add_argument("--seq_len", type=int, default=1024, help="sequence length for memory/FLOPs")
+    ap.add_argument("--time_size", default="small", choices=("142m", "small", "tiny", "330m", "1b"))
+    ap.add_argument("--time_batch", type=int, default=0, help="0: the time size's own global batch")
+    ap.add_argument("--time_seq", type=int, default=0, help="0: the time size's own seq_len")
+    ap.add_argument("--steps", type=int, default=5, help="timed round-robin rounds")
+    ap.add_argument("--chunks", default="2048,4096,8192,16384", help="fused-loss chunks to compare ('' = default only)")
+    ap.add_argument("--remat", default="none", help="comma list of model.remat for the memory table")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--override", action="append", default=[], type=parse_override, metavar="KEY=VALUE",
+                    help="config override for every variant, e.g. model.attention_impl=cudnn (repeatable)")
+    ap.add_argument("--no_compiled_flops", action="store_true", help="FLOPs of the lowered module only")
+    ap.add_argument("--output", default="bench.json")
+    args = ap.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    if set(sections) - set(SECTIONS):
+        ap.error(f"--sections: choose from {SECTIONS}")
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    OVERRIDES.update(dict(args.override))
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+
+    res = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                    "devices": jax.device_count(), "cpus": os.cpu_count(),
+                    "host": host_platform.platform(), "jax": jax.__version__},
+        "default_chunk": default_chunk(),
+        "overrides": OVERRIDES,
+    }
+    tables = []
+    if "memory" in sections:
+        res["memory"] = bench_memory(args.size, args.micro_batch, args.seq_len, chunks,
+                                     args.remat.split(","), log)
+        tables.append(format_memory(res["memory"]))
+    if "flops" in sections:
+        res["flops"] = bench_flops(args.size, args.micro_batch, args.seq_len, log, not args.no_compiled_flops)
+        tables.append(format_flops(res["flops"]))
+    if "time" in sections:
+        res["time"] = bench_time(args.time_size, args.time_batch or None, args.time_seq or None,
+                                 chunks, args.steps, log)
+        tables.append(format_time(res["time"]))
+    if "data" in sections:
+        consumption = max(r["tokens_per_s"] for r in res["time"]["rows"].values()) if "time" in res else None
+        t = res.get("time") or {}
+        probe = make_config(args.time_size, "twin", batch=args.time_batch or None, seq=args.time_seq or None)
+        big = make_config(args.size, "twin")
+        shapes = [(f"{args.time_size} step shape", t.get("seq_len", probe.data.seq_len),
+                   t.get("batch", probe.train.global_batch)),
+                  (f"{args.size} global batch", big.data.seq_len, big.train.global_batch)]
+        flops_142m = model_flops_per_token(make_config("142m", "twin"))
+        res["data"] = bench_data(shapes, consumption, flops_142m, log)
+        tables.append(format_data(res["data"]))
+    if "decode" in sections:
+        res["decode"] = bench_decode(args.time_size, min(max(args.steps, 3), 10), log)
+        tables.append(format_decode(res["decode"]))
+    res["targets"] = targets(res)
+    tables.append("Targets\n" + "\n".join(
+        f"  {k}: {v['status']}" + (f" ({v['value']:.3f})" if isinstance(v.get("value"), float) else "")
+        for k, v in res["targets"].items()))
+    print("\n\n".join(tables))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+        log(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Dense (one-hot einsum) vs sort (gather) MoE dispatch: one MoE layer's jitted forward and
+forward+backward on this machine, fp32, at the tiny/small configs' training shapes and at
+142M widths with a short sequence. Prints JSON (milliseconds, min and median of --reps).
+
+    python benchmarks/bench_moe.py [--reps 10] [--shapes tiny,small,142m,142m-T512]
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from onona_jax import config
+from onona_jax.models import moe
+from onona_jax.params import abstract_state, init_params
+
+# name -> (config, batch, seq)
+SHAPES = {
+    "tiny": ("moe-tiny-twin", 8, 32),
+    "small": ("moe-small-twin", 8, 128),
+    "142m": ("moe-142m-twin", 2, 128),
+    "142m-T512": ("moe-142m-twin", 1, 512),
+}
+
+
+def build(name, dispatch):
+    """(forward, forward+backward, params, x) jitted for one shape and dispatch."""
+    spec, B, T = SHAPES[name]
+    m = config.load(f"configs/paper.py:{spec}").model
+    m.moe.dispatch = dispatch
+    graphdef, state = abstract_state(lambda: moe.MoE(m))
+    params = init_params(state, 0)
+    x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), jnp.float32)
+
+    def loss(p, x):
+        y, aux = nnx.merge(graphdef, p)(x)
+        return jnp.mean(jnp.square(y)) + moe.load_balancing_loss(aux, m.moe.n_experts)
+
+    fwd = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)[0])
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    C = moe.capacity(T, m.moe.n_experts, m.moe.top_k, m.moe.capacity_factor)
+    shape = dict(B=B, T=T, d=m.d_model, f=m.moe.d_expert, E=m.moe.n_experts, k=m.moe.top_k, C=C)
+    return shape, {"forward": fwd, "fwd_bwd": step}, (params, x)
+
+
+def bench(name, reps):
+    """Both dispatches compiled first, then timed in alternation, so load from other
+    processes on a shared machine hits both alike; the minimum is the least disturbed run."""
+    built = {d: build(name, d) for d in ("dense", "sort")}
+    times = {(d, k): [] for d in built for k in ("forward", "fwd_bwd")}
+    compile_ms = {}
+    for d, (_, fns, args) in built.items():
+        t0 = time.perf_counter()
+        for fn in fns.values():
+            jax.block_until_ready(fn(*args))
+        compile_ms[d] = round((time.perf_counter() - t0) * 1e3)
+    for _ in range(reps):
+        for d, (_, fns, args) in built.items():
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[(d, k)].append((time.perf_counter() - t0) * 1e3)
+    res = {"shape": built["dense"][0]}
+    for d in built:
+        res[d] = {f"{k}_ms_{stat}": round(float(f(times[(d, k)])), 2)
+                  for k in ("forward", "fwd_bwd") for stat, f in (("min", np.min), ("median", np.median))}
+        res[d]["compile_ms"] = compile_ms[d]
+    res["faster_fwd_bwd"] = min(built, key=lambda d: res[d]["fwd_bwd_ms_min"])
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    out = {"backend": jax.default_backend(), "devices": jax.device_count(), "results": {}}
+    for name in args.shapes.split(","):
+        res = out["results"][name] = bench(name, args.reps)
+        print(json.dumps({name: res}), flush=True)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

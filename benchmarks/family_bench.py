@@ -1,0 +1,167 @@
+"""Train-step time and compile time of the four decoder families (dense, moe, gdn, attnres)
+under the standard and twin heads, on one device of this machine.
+
+    python benchmarks/family_bench.py [--size small] [--steps 10] [--warmup 2] [--output FILE]
+    python benchmarks/family_bench.py --size tiny --steps 5 --no-compile   # quick
+
+Every variant (family × head, as `configs/paper.py:<arch>-<size>-<head>`, its own batch and
+sequence length) is compiled and warmed up first; then the timed steps run round-robin, one
+step of each variant in turn, so that load from other jobs hits all variants alike and the
+ratios to Dense hold on a noisy machine. Reported per variant: the median step time over
+`--steps` timed steps, its ratio to Dense with the same head, tokens/s (global_batch ×
+seq_len / median), and the compile time of the full train step (forward, backward, AdamW)
+lowered from abstract shapes with and without `scan_layers` (as benchmarks/compile_time.py).
+Batches are random tokens: the step's work does not depend on their values (MoE capacity
+buffers have fixed shapes). Prints a Markdown table and writes JSON with `--output`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from onona_jax import config, summary
+from onona_jax import train as trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = ("dense", "moe", "gdn", "attnres")
+HEADS = ("standard", "twin")
+
+
+def load(arch, size, head, scan=True):
+    cfg = config.load(os.path.join(REPO, f"configs/paper.py:{arch}-{size}-{head}"))
+    cfg.mesh.update(data=1, fsdp=1, tensor=1)
+    cfg.model.scan_layers = scan
+    return cfg
+
+
+def compile_seconds(cfg) -> float:
+    """Lower and compile the train step from abstract shapes on one device (no allocation)."""
+    run = trainer.setup(cfg, jax.devices()[:1])
+    state = trainer.abstract_train_state(run)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
+                                 sharding=run.batch_sharding)
+    step = trainer.make_train_step(run)
+    start = time.perf_counter()
+    step.lower(state, batch).compile()
+    return time.perf_counter() - start
+
+
+class Variant:
+    """One family × head: its compiled step, live state and a fixed random batch."""
+
+    def __init__(self, arch, size, head, seed=0):
+        self.arch, self.head = arch, head
+        self.label = f"{arch}-{size}-{head}"
+        self.cfg = cfg = load(arch, size, head)
+        self.run = trainer.setup(cfg, jax.devices()[:1])
+        self.state = trainer.init_state(self.run, cfg.seed)
+        self.step_fn = trainer.make_train_step(self.run)
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, 50257, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
+        self.batch = trainer.global_batch(self.run, tokens)
+        self.tokens = cfg.train.global_batch * cfg.data.seq_len
+        self.times: list[float] = []
+        counts = summary.param_counts(cfg.model)
+        self.non_embedding, self.active = counts["non_embedding"], counts["active"]
+        self.flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.state, metrics = self.step_fn(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        elapsed = time.perf_counter() - start
+        self.loss = float(metrics["loss"])
+        return elapsed
+
+
+def bench(size, families, heads, steps, warmup, compile_times=True, log=print):
+    variants = []
+    for arch, head in [(arch, head) for head in heads for arch in families]:
+        start = time.perf_counter()
+        v = Variant(arch, size, head)
+        for _ in range(warmup + 1):  # the first call compiles
+            v.step()
+        log(f"{v.label}: ready in {time.perf_counter() - start:.1f} s")
+        variants.append(v)
+    for i in range(steps):  # round-robin: one step of every variant in turn
+        for v in variants:
+            v.times.append(v.step())
+        log(f"round {i + 1}/{steps}")
+    rows = []
+    for v in variants:
+        median = statistics.median(v.times)
+        rows.append(dict(
+            arch=v.arch, head=v.head, config=v.label,
+            non_embedding=v.non_embedding, active=v.active, train_flops_per_token=v.flops,
+            global_batch=v.cfg.train.global_batch, seq_len=v.cfg.data.seq_len,
+            step_s_median=median, step_s_min=min(v.times), steps=len(v.times),
+            tokens_per_s=v.tokens / median, final_loss=v.loss,
+        ))
+    for r in rows:
+        dense = next(d for d in rows if d["arch"] == "dense" and d["head"] == r["head"])
+        r["vs_dense"] = r["step_s_median"] / dense["step_s_median"]
+    if compile_times:
+        for r in rows:
+            for scan in (True, False):
+                key = "compile_s_scan" if scan else "compile_s_unrolled"
+                r[key] = compile_seconds(load(r["arch"], size, r["head"], scan))
+            log(f"{r['config']}: compile {r['compile_s_scan']:.1f} s scanned, "
+                f"{r['compile_s_unrolled']:.1f} s unrolled")
+    return rows
+
+
+def markdown(rows) -> str:
+    has_compile = "compile_s_scan" in rows[0]
+    head = ("| config | non-embedding | train GFLOP/token | step (median) | × Dense | tokens/s |"
+            + (" compile scanned | compile unrolled |" if has_compile else ""))
+    sep = "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if has_compile else "")
+    lines = [head, sep]
+    for r in rows:
+        line = (f"| {r['config']} | {r['non_embedding']:,} | {r['train_flops_per_token'] / 1e9:.4f} | "
+                f"{r['step_s_median'] * 1e3:.0f} ms | {r['vs_dense']:.2f} | {r['tokens_per_s']:,.0f} |")
+        if has_compile:
+            line += f" {r['compile_s_scan']:.1f} s | {r['compile_s_unrolled']:.1f} s |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small", help="a configs/paper.py size: small (default) or tiny")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant after compiling")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--heads", default=",".join(HEADS))
+    ap.add_argument("--no-compile", action="store_true", help="skip the compile-time measurements")
+    ap.add_argument("--output", default="", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    families, heads = args.families.split(","), args.heads.split(",")
+    if "dense" not in families:
+        ap.error("--families must include dense (the ratios are to it)")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    rows = bench(args.size, families, heads, args.steps, args.warmup, not args.no_compile, log)
+    table = markdown(rows)
+    print(table)
+    if args.output:
+        meta = dict(
+            date=datetime.date.today().isoformat(), command=" ".join(["python", *sys.argv]),
+            size=args.size, steps=args.steps, warmup=args.warmup, backend=jax.default_backend(),
+            device=jax.devices()[0].device_kind, cpu_count=os.cpu_count(),
+            cpus_usable=len(os.sched_getaffinity(0)), jax=jax.__version__,
+        )
+        with open(args.output, "w") as f:
+            json.dump({**meta, "rows": rows, "markdown": table}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

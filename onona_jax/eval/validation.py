@@ -1,0 +1,111 @@
+"""Validation loss on the fixed held-out windows (SPEC §5) and, for heads that declare them,
+the one-table ablations (twin: `a_only`, `b_only`).
+
+The checkpoint's parameters are restored onto this run's mesh, whatever mesh trained them;
+no optimizer state is read. The training loop uses the same `Evaluator`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from onona_jax import heads as heads_lib
+from onona_jax import models, sharding
+from onona_jax.checkpoint import restore_params
+
+
+def make_eval_step(graphdef, mesh, param_shardings, table: str | None = None):
+    """Sum of NLL and token count over a [b, T+1] batch with per-window weights (padding)."""
+    layout = sharding.loss_layout(mesh)
+
+    def nll_sum(params, tokens, weights):
+        model = models.bind(graphdef, params)
+        lp = model.target_log_probs(tokens[:, :-1], tokens[:, 1:], table=table, layout=layout)
+        return -jnp.sum(lp * weights[:, None]), jnp.sum(weights) * lp.shape[1]
+
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(
+        sharding.under_rules(nll_sum, mesh),
+        in_shardings=(param_shardings, sharding.batch_sharding(mesh), sharding.batch_sharding(mesh, 1)),
+        out_shardings=(replicated, replicated),
+    )
+
+
+class Evaluator:
+    """Mean NLL over fixed windows (every process holds all of them), per table variant; one
+    compiled step per variant, built on first use."""
+
+    def __init__(self, graphdef, mesh, param_shardings):
+        self.graphdef, self.mesh, self.param_shardings = graphdef, mesh, param_shardings
+        self.steps: dict = {}
+
+    def __call__(self, params, windows: np.ndarray, tables=(None,), batch: int = 8) -> dict:
+        dp = sharding.data_parallel_size(self.mesh)
+        b = max(dp, math.ceil(batch / dp) * dp)
+        n = len(windows)
+        padded = math.ceil(n / b) * b
+        tokens = np.zeros((padded, windows.shape[1]), np.int32)
+        tokens[:n] = windows
+        weights = np.zeros((padded,), np.float32)
+        weights[:n] = 1.0
+        rows, w_rows = sharding.batch_sharding(self.mesh), sharding.batch_sharding(self.mesh, 1)
+        out = {}
+        for table in tables:
+            if table not in self.steps:
+                self.steps[table] = make_eval_step(self.graphdef, self.mesh, self.param_shardings, table)
+            fn = self.steps[table]
+            total, count = 0.0, 0.0
+            for i in range(0, padded, b):
+                tb = jax.make_array_from_callback((b, tokens.shape[1]), rows, lambda idx: tokens[i:i + b][idx])
+                wb = jax.make_array_from_callback((b,), w_rows, lambda idx: weights[i:i + b][idx])
+                s, c = fn(params, tb, wb)
+                total, count = total + s, count + c
+            out["val_loss" if table is None else f"val_loss_{table}_only"] = float(total / count)
+        return out
+
+
+def variants(cfg_model) -> tuple:
+    """The full model, then the head's one-table ablations."""
+    return (None, *heads_lib.head_class(cfg_model.head).ablations)
+
+
+def load(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None):
+    """(params, step, cfg, mesh): a checkpoint's parameters on this run's mesh."""
+    return restore_params(workdir, step, mesh, devices)
+
+
+def data_dir(cfg, workdir: str) -> str:
+    return cfg.data.dir or os.path.join(workdir, "data")
+
+
+def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, loaded=None) -> dict:
+    """`loaded`: a `load` result to evaluate instead of restoring (eval.py restores once for
+    the validation loss and the downstream tasks)."""
+    from onona_jax.data import pipeline
+
+    params, step, cfg, grid = loaded or load(workdir, step, mesh, devices)
+    windows = pipeline.validation_windows(
+        data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed
+    )
+    graphdef, _ = models.abstract(cfg.model)
+    shardings = jax.tree.map(lambda a: a.sharding, params)
+    result = Evaluator(graphdef, grid, shardings)(params, windows, variants(cfg.model), cfg.eval.batch)
+    return {"config": cfg.name, "step": step, "windows": len(windows), **result}
+
+
+def write_json(result: dict, path: str):
+    """Atomic write: a reader never sees half a file."""
+    if jax.process_index() != 0:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, path)

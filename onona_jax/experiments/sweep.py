@@ -1,0 +1,236 @@
+"""Run one of the paper's experiment grids (`configs/paper.py` GRIDS): every arm × seed is
+trained with `train.py` and evaluated with `eval.py`, in sequence, in `DIR/<arm>/seed<k>`.
+
+    python -m onona_jax.experiments.sweep --grid=factorial --size=small --seeds=0,1 --workdir=runs/fact
+    python -m onona_jax.experiments.sweep --grid=table1 --seeds=0,1,2 --workdir=runs/t1 \
+        --emit=commands.sh -- --config.data.dir=/data/climbmix --config.mesh.data=8
+    python -m onona_jax.experiments.sweep --grid=depth --workdir=runs/depth --dry_run
+    python -m onona_jax.experiments.report runs/fact          # DIR/report.md, report.json, report.png
+
+Flags after `--` go to every `train.py` call; `--arms=a,b` runs a subset of the grid. Each
+run's stdout and stderr go to `DIR/<arm>/seed<k>/logs/{train,eval}.{out,err}`. A run that fails (train or eval exits
+non-zero) is recorded in `DIR/sweep_status.json` with its exit code and the tail of its
+stderr, and the sweep continues with the next one; rerunning the same command resumes each
+run from its checkpoints (train.py) and re-evaluates it. `--emit=PATH` writes one shell line
+per arm × seed (train && eval) for a cluster scheduler and runs nothing (`--python=python`
+names the interpreter the cluster's nodes use; default: this one). `DIR/grid.json`
+describes the grid (arms, baselines, seeds, size) for the report; seeds of earlier calls on
+the same DIR are kept in it. (Runs launched from emitted lines record no status: the report
+shows a run without an eval file as missing.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+from onona_jax import cli
+
+STDERR_TAIL = 4000  # characters of a failed run's stderr kept in sweep_status.json
+
+
+def repo_root() -> str:
+    """The directory holding train.py, eval.py and configs/paper.py."""
+    candidates = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd()]
+    for root in candidates:
+        if all(os.path.exists(os.path.join(root, f)) for f in ("train.py", "eval.py", "configs/paper.py")):
+            return root
+    raise ValueError(
+        "cannot find train.py, eval.py and configs/paper.py next to the onona_jax package "
+        "or in the current directory; run from the onona-jax repository root"
+    )
+
+
+def load_paper_configs(root: str | None = None):
+    """configs/paper.py as a module (it is a config file, not part of the package)."""
+    path = os.path.join(root or repo_root(), "configs", "paper.py")
+    spec = importlib.util.spec_from_file_location("_onona_paper_configs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def grid_info(name: str, size: str | None = None, root: str | None = None) -> dict:
+    return load_paper_configs(root).grid_info(name, size)
+
+
+def run_dir(workdir: str, arm: str, seed: int) -> str:
+    return os.path.join(workdir, arm, f"seed{seed}")
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def commands(arm: dict, seed: int, workdir: str, extra=(), python: str | None = None) -> list:
+    """[("train", argv), ("eval", argv)] for one arm × seed; argv run with cwd = repo root."""
+    python = python or sys.executable
+    rd = run_dir(workdir, arm["name"], seed)
+    train = [python, "train.py", f"--config=configs/paper.py:{arm['spec']}", f"--workdir={rd}",
+             f"--config.seed={seed}"]
+    train += [f"--config.{k}={_value(v)}" for k, v in arm.get("overrides", {}).items()]
+    train += list(extra)
+    return [("train", train), ("eval", [python, "eval.py", f"--workdir={rd}"])]
+
+
+def _write_json(obj, path: str):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+
+
+def write_grid_json(workdir: str, info: dict, seeds, extra=()) -> dict:
+    """DIR/grid.json; seeds already recorded there by an earlier call on this grid are kept."""
+    path = os.path.join(workdir, "grid.json")
+    old = _read_json(path, None)
+    if old is not None and (old.get("grid"), old.get("size")) != (info["grid"], info["size"]):
+        raise ValueError(
+            f"{path} describes grid {old.get('grid')!r} at size {old.get('size')!r}, not "
+            f"{info['grid']!r} at {info['size']!r}; use another --workdir"
+        )
+    all_seeds = sorted(set(seeds) | set(old.get("seeds", []) if old else []))
+    grid = dict(info, seeds=all_seeds, train_flags=list(extra), updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    _write_json(grid, path)
+    return grid
+
+
+def command_line(arm: dict, seed: int, workdir: str, extra=(), root: str | None = None,
+                 python: str | None = None) -> str:
+    """`cd ROOT && <train> && <eval>` for one arm × seed."""
+    parts = [f"cd {shlex.quote(root or repo_root())}"]
+    argvs = commands(arm, seed, workdir, extra, python)
+    return " && ".join(parts + [shlex.join(argv) for _, argv in argvs])
+
+
+def emit(path: str, arms, seeds, workdir: str, extra=(), root: str | None = None,
+         python: str | None = None):
+    """Write one shell line per arm × seed (train && eval) to path; nothing runs."""
+    lines = [command_line(arm, seed, workdir, extra, root, python) for arm in arms for seed in seeds]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def _run_one(stage: str, argv, cwd: str, log_dir: str):
+    """Run argv with stdout/stderr into log_dir/<stage>.{out,err}; (returncode, stderr tail)."""
+    os.makedirs(log_dir, exist_ok=True)
+    out_path, err_path = (os.path.join(log_dir, f"{stage}.{x}") for x in ("out", "err"))
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err)
+    with open(err_path, errors="replace") as f:
+        tail = f.read()[-STDERR_TAIL:]
+    return rc, tail
+
+
+def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, command_fn=None,
+              log=print, python: str | None = None) -> dict:
+    """Train then evaluate every arm × seed in sequence; a failure is recorded in
+    DIR/sweep_status.json and the sweep goes on. `command_fn(arm, seed, workdir, extra)` ->
+    [(stage, argv), ...] replaces the train/eval commands (tests)."""
+    root = root or repo_root()
+    command_fn = command_fn or (lambda arm, seed, wd, ex: commands(arm, seed, wd, ex, python))
+    status_path = os.path.join(workdir, "sweep_status.json")
+    status = _read_json(status_path, {})
+    total, done = len(arms) * len(seeds), 0
+    for arm in arms:
+        for seed in seeds:
+            done += 1
+            key = f"{arm['name']}/seed{seed}"
+            rd = run_dir(workdir, arm["name"], seed)
+            entry = dict(arm=arm["name"], seed=seed, spec=arm["spec"], status="running",
+                         started=time.strftime("%Y-%m-%dT%H:%M:%S"), run_dir=rd)
+            status[key] = entry
+            _write_json(status, status_path)
+            t0 = time.time()
+            log(f"[{done}/{total}] {key}: {arm['spec']} {arm.get('overrides') or ''}".rstrip())
+            for stage, argv in command_fn(arm, seed, workdir, extra):
+                rc, tail = _run_one(stage, argv, root, os.path.join(rd, "logs"))
+                if rc != 0:
+                    entry.update(status="failed", stage=stage, returncode=rc, stderr_tail=tail,
+                                 command=shlex.join(argv))
+                    log(f"    {stage} failed with exit code {rc} (logs in {os.path.join(rd, 'logs')})")
+                    break
+            else:
+                entry.update(status="ok")
+            entry["duration_s"] = round(time.time() - t0, 1)
+            _write_json(status, status_path)
+    return status
+
+
+def define(fv, argv):
+    flags.DEFINE_string("grid", None, "table1, output_layer, controls, factorial or depth", flag_values=fv, required=True)
+    flags.DEFINE_string("size", None, "run every arm at this size (e.g. small); default: the paper's", flag_values=fv)
+    flags.DEFINE_list("seeds", ["0"], "comma-separated seeds, e.g. 0,1,2", flag_values=fv)
+    flags.DEFINE_list("arms", [], "comma-separated subset of the grid's arms to run", flag_values=fv)
+    flags.DEFINE_string("workdir", None, "sweep directory; runs go to DIR/<arm>/seed<k>", flag_values=fv, required=True)
+    flags.DEFINE_string("emit", None, "write the command lines to this file and run nothing", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "print the commands and write nothing", flag_values=fv)
+    flags.DEFINE_string("python", None, "interpreter in the commands (default: this one); e.g. python for --emit",
+                        flag_values=fv)
+
+
+def _main(fv, extra):
+    """`extra`: the flags after `--`, passed to every train.py call (-- --config.train.steps=500)."""
+    try:
+        seeds = [int(s) for s in fv.seeds if s.strip()]
+    except ValueError:
+        raise cli.UsageError(f"--seeds={','.join(fv.seeds)}: expected comma-separated integers") from None
+    if not seeds:
+        raise cli.UsageError("--seeds is empty")
+    stray = [a for a in extra if not a.startswith("-")]
+    if stray:
+        raise cli.UsageError(f"unexpected arguments {stray}; flags for train.py go after `--`")
+    root = repo_root()
+    info = grid_info(fv.grid, fv.size, root)
+    workdir = os.path.abspath(fv.workdir)
+    arms = info["arms"]
+    if fv.arms:
+        unknown = sorted(set(fv.arms) - {a["name"] for a in arms})
+        if unknown:
+            raise cli.UsageError(f"--arms {', '.join(unknown)} not in grid {fv.grid} "
+                                 f"({', '.join(a['name'] for a in arms)})")
+        arms = [a for a in arms if a["name"] in fv.arms]
+    if fv.dry_run:
+        for arm in arms:
+            for seed in seeds:
+                print(command_line(arm, seed, workdir, extra, root, fv.python))
+        return 0
+    write_grid_json(workdir, info, seeds, extra)
+    if fv.emit:
+        lines = emit(fv.emit, arms, seeds, workdir, extra, root, fv.python)
+        print(f"wrote {len(lines)} command lines to {fv.emit}; then: python -m onona_jax.experiments.report {workdir}")
+        return 0
+    status = run_sweep(arms, seeds, workdir, extra, root, python=fv.python)
+    keys = [f"{a['name']}/seed{s}" for a in arms for s in seeds]
+    failed = [k for k in keys if status[k].get("status") == "failed"]
+    print(f"done: {len(arms) * len(seeds)} runs, {len(failed)} failed"
+          + (f" ({', '.join(failed)})" if failed else "")
+          + f"; python -m onona_jax.experiments.report {workdir}")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    return cli.run(define, _main, argv, __doc__)
+
+
+if __name__ == "__main__":
+    cli.run_module(define, _main, __doc__)

@@ -1,0 +1,158 @@
+"""The layers every decoder family shares (SPEC §3): RMSNorm, RoPE, grouped-query attention
+with QK-norm and a decoding cache, the SwiGLU MLP, and the remat policies.
+
+Pure functions for the math, thin modules around them. Parameters are declared with logical
+axis names (`params.param`); activations are pinned with `sharding.constrain`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from onona_jax.params import param
+from onona_jax.sharding import constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def checkpointed(fn, remat: str):
+    """`fn` under the `model.remat` policy (none: unchanged)."""
+    return fn if remat == "none" else jax.checkpoint(fn, policy=REMAT_POLICIES[remat])
+
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in fp32, cast back to the input dtype (as HF Qwen3RMSNorm)."""
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * x.astype(dtype)
+
+
+def rope(x, positions, theta):
+    """Rotary embedding, non-interleaved (rotate_half). x: [B, T, N, D], positions: [B, T]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def cached_attention(q, k, v, length, start):
+    """Incremental decoding: T new queries at cache slots length..length+T−1 attend over a
+    K/V cache [B, S, n_kv, hd] (slots ≥ length+T unwritten). Key slot j is visible to query
+    slot i when start_b ≤ j ≤ i: causal, and not one of row b's `start` [B] left pads.
+    Grouped heads as `jax.nn.dot_product_attention` (query head n reads KV head n // (N/K));
+    logits and softmax in fp32, scale head_dim^-½. A query with no visible key (a pad) gets
+    a uniform average of the slots, never NaN. Returns [B, T, N, hd] in v's dtype."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    logits = jnp.einsum(
+        "btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, H), k, preferred_element_type=jnp.float32
+    )
+    logits = logits * jnp.float32(1.0 / math.sqrt(H))
+    q_slot = length + jnp.arange(T)
+    k_slot = jnp.arange(S)
+    visible = (k_slot[None, None, :] <= q_slot[None, :, None]) & (k_slot[None, None, :] >= start[:, None, None])
+    logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, N, H)
+
+
+def zeros_stacked(cache, count: int):
+    """A zero cache with a leading `layers` axis of `count` (a scanned, stacked layer)."""
+    return jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), cache)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim, eps, axis="norm", stack=None):
+        self.weight = param((dim,), (axis,), "ones", stack=stack)
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with QK-norm (one weight of size head_dim shared by heads)."""
+
+    def __init__(self, cfg, stack=None):
+        d, n, k, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q = param((d, n, hd), ("embed", "heads", "head_dim"), stack=stack)
+        self.k = param((d, k, hd), ("embed", "kv_heads", "head_dim"), stack=stack)
+        self.v = param((d, k, hd), ("embed", "kv_heads", "head_dim"), stack=stack)
+        self.o = param((n, hd, d), ("heads", "head_dim", "embed"), stack=stack)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, "head_dim", stack=stack)
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, "head_dim", stack=stack)
+        self.theta, self.impl = cfg.rope_theta, cfg.attention_impl
+
+    def _qkv(self, x, positions):
+        """Projections, QK-norm and RoPE: q [B, T, n, hd], k and v [B, T, n_kv, hd]."""
+        dt = x.dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
+        return rope(self.q_norm(q), positions, self.theta), rope(self.k_norm(k), positions, self.theta), v
+
+    def __call__(self, x, positions):
+        dt = x.dtype
+        q, k, v = self._qkv(x, positions)
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        o = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=self.impl
+        )
+        return jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(dt))
+
+    # -- incremental decoding (see Model.extend)
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        """Empty K/V buffers [batch, max_len, n_kv, head_dim] in the compute dtype."""
+        kv, hd = self.k[...].shape[-2:]
+        zeros = jnp.zeros((batch, max_len, kv, hd), dtype)
+        return {"k": zeros, "v": zeros}
+
+    def extend(self, x, positions, cache, length, start):
+        """`__call__` for T new tokens x [B, T, d] written at cache slots length..length+T−1,
+        attending over the cache (`cached_attention`). Returns (y [B, T, d], cache)."""
+        dt = x.dtype
+        q, k, v = self._qkv(x, positions)
+        k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), length, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), length, axis=1)
+        o = cached_attention(q, k, v, length, start)
+        return jnp.einsum("btnh,nhd->btd", o.astype(dt), self.o[...].astype(dt)), {"k": k, "v": v}
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, cfg, stack=None):
+        d, f = cfg.d_model, cfg.d_ff
+        self.gate = param((d, f), ("embed", "mlp"), stack=stack)
+        self.up = param((d, f), ("embed", "mlp"), stack=stack)
+        self.down = param((f, d), ("mlp", "embed"), stack=stack)
+
+    def __call__(self, x):
+        dt = x.dtype
+        g = x @ self.gate[...].astype(dt)
+        u = x @ self.up[...].astype(dt)
+        hid = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
+        return hid @ self.down[...].astype(dt)
+

@@ -1,0 +1,204 @@
+"""Decoder families (SPEC §3) and the model: a family's trunk plus one of the heads (SPEC §2).
+
+    x0 = head.embed(tokens)            # E[x] or M[x] = (A[x]+B[x])/2
+    h  = trunk(x0)                     # the family's blocks, then the final RMSNorm
+    log p = head.log_probs(h, x0)      # the gate reads x0
+
+The trunk knows nothing of the head, so another head or a fused loss plugs in on `hidden`.
+
+A family is one file here (`dense`, `moe`, `gdn`, `attnres`) and one entry of `FAMILIES`;
+`config` derives `model.arch`'s choices from it. Adding a family touches its own file and
+this registry only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from onona_jax import heads as heads_lib
+from onona_jax import params as params_lib
+from onona_jax.layers import DTYPES, MLP, Attention
+from onona_jax.models import attnres, dense, gdn, moe
+from onona_jax.sharding import constrain
+
+# Token mixers and feed-forwards of the residual trunk, by the names a layer pattern uses:
+# name -> (attribute name = parameter path, module class).
+MIXERS = {"attention": ("attn", Attention), "gdn": ("gdn", gdn.GatedDeltaNet)}
+FEED_FORWARDS = {"mlp": ("mlp", MLP), "moe": ("moe", moe.MoE)}
+
+
+def _no_problems(cfg_model) -> list[str]:
+    return []
+
+
+def _unchanged(cfg_model):
+    return cfg_model
+
+
+def _no_aux_loss(stats: dict, cfg_model):
+    return jnp.zeros((), jnp.float32), {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What the rest of the package knows of a decoder family."""
+
+    trunk: Callable  # cfg_model -> the body module: trunk(x, positions) -> (h, stats)
+    layer_pattern: str = "attention"  # default of model.layer_pattern
+    feed_forward: str = "mlp"
+    validate: Callable = _no_problems  # cfg_model -> [problem messages naming key and fix]
+    eval_config: Callable = _unchanged  # cfg_model -> the config evaluation and serving build
+    aux_loss: Callable = _no_aux_loss  # (trunk stats, cfg_model) -> (term added to the loss, metrics)
+
+
+def _residual(ffn: str):
+    """The pre-norm residual trunk (`dense.Trunk`) with this feed-forward."""
+    return lambda cfg: dense.Trunk(cfg, layer_pattern(cfg), MIXERS, FEED_FORWARDS[ffn])
+
+
+FAMILIES: dict[str, Family] = {
+    "dense": Family(trunk=_residual("mlp")),
+    "moe": Family(trunk=_residual("moe"), feed_forward="moe", validate=moe.config_problems,
+                  eval_config=moe.eval_config, aux_loss=moe.aux_loss),
+    "gdn": Family(trunk=_residual("mlp"), layer_pattern="gdn,gdn,gdn,attention"),
+    "attnres": Family(trunk=attnres.AttnResTrunk, validate=attnres.config_problems),
+}
+
+
+def family(cfg_model) -> Family:
+    if cfg_model.arch not in FAMILIES:
+        raise ValueError(f"unknown model.arch {cfg_model.arch!r}; choose one of {tuple(FAMILIES)}")
+    return FAMILIES[cfg_model.arch]
+
+
+def layer_pattern(cfg_model) -> list[str]:
+    """The mixer of each layer in one repeat of the pattern, e.g. [gdn, gdn, gdn, attention]."""
+    return (cfg_model.get("layer_pattern") or family(cfg_model).layer_pattern).split(",")
+
+
+def eval_config(cfg_model):
+    """The model config evaluation and serving build (MoE: the evaluation capacity)."""
+    return family(cfg_model).eval_config(cfg_model)
+
+
+class Model(nnx.Module):
+    """A decoder family's trunk plus one of the heads of SPEC §2."""
+
+    def __init__(self, cfg):
+        self.dtype = DTYPES[cfg.dtype]
+        self.head = heads_lib.make_head(cfg)
+        self.trunk = family(cfg).trunk(cfg)
+
+    def forward(self, tokens, positions=None, x0=None):
+        """(h, x0, aux): final hidden states [B, T, d] in the compute dtype, the fp32 input
+        rows the gate reads, and the trunk's statistics (MoE routing) summed over layers."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        if x0 is None:
+            x0 = self.head.embed(tokens)
+        x = constrain(x0.astype(self.dtype), ("batch", "seq", "act_embed"))
+        h, aux = self.trunk(x, positions)
+        return h, x0, aux
+
+    def hidden(self, tokens, positions=None, x0=None):
+        """(h, x0) of `forward`, without the statistics."""
+        h, x0, _ = self.forward(tokens, positions, x0)
+        return h, x0
+
+    def __call__(self, tokens):
+        """fp32 log-probabilities [B, T, V]."""
+        h, x0 = self.hidden(tokens)
+        return self.head.log_probs(h, x0)
+
+    def target_log_probs(self, tokens, targets, table: str | None = None, layout=None):
+        """fp32 log p(targets) [B, T]; the training loss is its negative mean. `layout`
+        (`sharding.loss_layout(mesh)`) shards the fused loss over the mesh.
+
+        `table` names one of the head's `ablations` (twin: "a", "b"): that table at both
+        input and output, no gate (SPEC §2)."""
+        if table is None:
+            h, x0 = self.hidden(tokens)
+            return self.head.target_log_probs(h, x0, targets, layout)
+        if table not in self.head.ablations:
+            raise ValueError(
+                f"one-table ablation {table!r}: head {type(self.head).__name__} has "
+                f"{self.head.ablations or 'none'}"
+            )
+        E = self.head.ablation_table(table)
+        h, _ = self.hidden(tokens, x0=jnp.take(E, tokens, axis=0))
+        return heads_lib.table_target_log_probs(h, (E,), targets, None, self.head.loss, self.head.chunk, layout)
+
+    # -- incremental decoding (serving.py). A cache is
+    #    {"layers": per-layer caches (Trunk.init_cache), "length": slots written (int32 []),
+    #     "start": left-pad slots of each row (int32 [B])}.
+    # Rows are left-padded to a common length: row b's real tokens sit at slots start_b.. and
+    # take positions slot − start_b, its pads are invisible to attention and zero inputs to
+    # GDN, so each row decodes as if alone (the MoE sees pads too: at the evaluation capacity
+    # nothing is dropped, so they change nothing).
+
+    def init_cache(self, batch: int, max_len: int, start=None) -> dict:
+        """An empty cache for `batch` rows of at most `max_len` slots (pads included)."""
+        layers = self.trunk.init_cache(batch, max_len, self.dtype)
+        start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        return {"layers": layers, "length": jnp.zeros((), jnp.int32), "start": start}
+
+    def extend(self, tokens, cache, x0=None):
+        """Run T new tokens [B, T] after `cache`: (h [B, T, d], x0 [B, T, d], cache), h and x0
+        as `forward` gives them for these positions of the whole sequence."""
+        T = tokens.shape[-1]
+        length, start = cache["length"], cache["start"]
+        positions = length + jnp.arange(T, dtype=jnp.int32)[None, :] - start[:, None]
+        if x0 is None:
+            x0 = self.head.embed(tokens)
+        x = x0.astype(self.dtype)
+        h, layers = self.trunk.extend(x, positions, cache["layers"], length, start)
+        return h, x0, {"layers": layers, "length": length + T, "start": start}
+
+    def prefill(self, tokens, max_len: int, start=None, x0=None):
+        """A fresh cache of `max_len` slots filled with the prompt `tokens` [B, T] (row b
+        left-padded with start_b pad tokens): (h [B, T, d], x0 [B, T, d], cache)."""
+        return self.extend(tokens, self.init_cache(tokens.shape[0], max_len, start), x0)
+
+    def decode_step(self, token, cache, x0=None):
+        """One token per row, token [B]: (h [B, d], x0 [B, d], cache)."""
+        h, x0, cache = self.extend(token[:, None], cache, None if x0 is None else x0[:, None])
+        return h[:, 0], x0[:, 0], cache
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+def abstract(cfg):
+    """(graphdef, abstract state) of `Model(cfg)`: shapes and metadata only, no allocation."""
+    return params_lib.abstract_state(lambda: Model(cfg))
+
+
+def placed(cfg, mesh):
+    """The abstract parameters of `Model(cfg)` as ShapeDtypeStructs carrying their
+    NamedShardings on `mesh` (the one rules table), checked to divide evenly."""
+    from onona_jax import sharding
+
+    _, state = abstract(cfg)
+    logical = params_lib.logical_axes(state)
+    shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    sharding.check_divisible(logical, shapes, mesh)
+    shardings = sharding.named_shardings(logical, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def init(cfg, seed: int, out_shardings=None):
+    """(graphdef, params): fp32 parameters keyed by path and seed (see `params.py`), created
+    directly with `out_shardings` when given."""
+    graphdef, state = abstract(cfg)
+    params = jax.jit(lambda: params_lib.init_params(state, seed), out_shardings=out_shardings)()
+    return graphdef, params
+
+
+def bind(graphdef, params) -> Model:
+    """A Model that reads `params` (a pure dict of arrays, possibly traced)."""
+    return nnx.merge(graphdef, params)

@@ -1,0 +1,147 @@
+"""Dense (Qwen3-style) decoder body, and the pre-norm residual trunk it shares with the MoE
+and Gated DeltaNet families (SPEC §3).
+
+    x = x + mixer(norm(x))        # attention, or Gated DeltaNet in the hybrid
+    x = x + ffn(norm(x))          # SwiGLU, or a mixture of experts
+    h = final_norm(x)
+
+A block is built from a *mixer* and a *feed-forward* named by the family's layer pattern
+(`models.MIXERS`, `models.FEED_FORWARDS`); the attribute names are the parameter paths
+(`attn`, `gdn`, `mlp`, `moe`). Weights are declared with logical axis names; values come
+from `params.init_params`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from onona_jax.layers import RMSNorm, checkpointed, zeros_stacked
+from onona_jax.params import Stack
+from onona_jax.sharding import constrain
+
+
+def add_aux(total: dict, aux: dict) -> dict:
+    return {k: total.get(k, 0) + v for k, v in aux.items()} if aux else total
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x)).
+
+    `mixer` and `ffn` are (attribute name, module class). Returns (x, aux) where aux holds
+    per-layer statistics to be summed over layers (MoE routing)."""
+
+    def __init__(self, cfg, mixer, ffn, stack=None):
+        (self.mixer_name, mixer_cls), (self.ffn_name, ffn_cls) = mixer, ffn
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack)
+        setattr(self, self.mixer_name, mixer_cls(cfg, stack=stack))
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack)
+        setattr(self, self.ffn_name, ffn_cls(cfg, stack=stack))
+
+    def _feed_forward(self, x):
+        y = getattr(self, self.ffn_name)(self.mlp_norm(x))
+        return y if isinstance(y, tuple) else (y, {})  # MoE: (output, statistics)
+
+    def __call__(self, x, positions):
+        x = x + getattr(self, self.mixer_name)(self.attn_norm(x), positions)
+        y, aux = self._feed_forward(x)
+        return constrain(x + y, ("batch", "seq", "act_embed")), aux
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        """The mixer's decoding cache (attention: K/V buffers; GDN: conv window and state);
+        the feed-forward needs none."""
+        return getattr(self, self.mixer_name).init_cache(batch, max_len, dtype)
+
+    def extend(self, x, positions, cache, length, start):
+        """`__call__` for T new tokens after `cache`: (x, cache). A MoE sees only the new
+        tokens (capacity per call): serve from the family's evaluation config, where nothing
+        is dropped."""
+        y, cache = getattr(self, self.mixer_name).extend(self.attn_norm(x), positions, cache, length, start)
+        x = x + y
+        return x + self._feed_forward(x)[0], cache
+
+
+class Trunk(nnx.Module):
+    """The decoder body: L blocks following `layer_pattern`, then the final norm.
+
+    With `scan_layers` each position of the pattern is stacked on a leading `layers` axis
+    (Dense: one block stacked L times; GDN hybrid: a group of 3 GDN + 1 attention blocks
+    stacked L/4 times) and one compiled group runs under lax.scan."""
+
+    def __init__(self, cfg, pattern: list[str], mixers: dict, ffn):
+        P, L = len(pattern), cfg.n_layers
+        self.scan, self.remat = cfg.scan_layers, cfg.remat
+        if self.scan and P == 1:
+            self.layers = Block(cfg, mixers[pattern[0]], ffn, stack=Stack(L))
+        elif self.scan:
+            self.layers = nnx.List(
+                [Block(cfg, mixers[kind], ffn, stack=Stack(L // P, P, j)) for j, kind in enumerate(pattern)]
+            )
+        else:
+            self.layers = nnx.List([Block(cfg, mixers[pattern[i % P]], ffn) for i in range(L)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def __call__(self, x, positions):
+        """(h, aux): final-normed hidden states and the blocks' statistics summed over layers."""
+
+        def apply(block, x):
+            return block(x, positions)
+
+        apply = checkpointed(apply, self.remat)
+        aux = {}
+        if self.scan:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(carry, layer_state):
+                x, aux = carry
+                group = nnx.merge(graphdef, layer_state)
+                for block in group if isinstance(group, nnx.List) else [group]:
+                    x, a = apply(block, x)
+                    aux = add_aux(aux, a)
+                return (x, aux), None
+
+            # One traced group gives the statistics' structure for the carry.
+            aux0 = jax.eval_shape(lambda x, s: body((x, {}), s)[0][1], x, jax.tree.map(lambda a: a[0], stacked))
+            aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0)
+            (x, aux), _ = jax.lax.scan(body, (x, aux), stacked)
+        else:
+            for block in self.layers:
+                x, a = apply(block, x)
+                aux = add_aux(aux, a)
+        return self.final_norm(x), aux
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        """Per-layer caches: a list over layers, or (scanned) the stacked group's caches with a
+        leading `layers` axis (a list over the pattern's positions when it has several)."""
+        if not self.scan:
+            return [block.init_cache(batch, max_len, dtype) for block in self.layers]
+        grouped = isinstance(self.layers, nnx.List)
+        caches = [
+            zeros_stacked(block.init_cache(batch, max_len, dtype), block.attn_norm.weight[...].shape[0])
+            for block in (self.layers if grouped else [self.layers])
+        ]
+        return caches if grouped else caches[0]
+
+    def extend(self, x, positions, cache, length, start):
+        """`__call__` for T new tokens after `cache`: (final-normed h [B, T, d], cache)."""
+        if not self.scan:
+            new = []
+            for block, c in zip(self.layers, cache):
+                x, c = block.extend(x, positions, c, length, start)
+                new.append(c)
+            return self.final_norm(x), new
+        graphdef, stacked = nnx.split(self.layers)
+        grouped = isinstance(self.layers, nnx.List)
+
+        def body(x, xs):
+            layer_state, caches = xs
+            group = nnx.merge(graphdef, layer_state)
+            new = []
+            for block, c in zip(group if grouped else [group], caches if grouped else [caches]):
+                x, c = block.extend(x, positions, c, length, start)
+                new.append(c)
+            return x, (new if grouped else new[0])
+
+        x, cache = jax.lax.scan(body, x, (stacked, cache))
+        return self.final_norm(x), cache

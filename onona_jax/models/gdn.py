@@ -1,0 +1,297 @@
+"""Gated DeltaNet (SPEC §3, GDN hybrid): the gated delta rule and the GDN token mixer.
+
+Layout: every sequence tensor is [B, T, H, D] (batch, time, heads, head dim) as in the rest
+of the model; per-step decays `g` and learning rates `beta` are [B, T, H]; the recurrent
+state is [B, H, dk, dv] (S maps keys to values: o_t = Sᵀ q_t). The state math is fp32.
+
+Recurrence per head (the naive form, the test oracle and the decoding step):
+
+    S ← e^{g_t} S;   u_t = β_t (v_t − Sᵀ k_t);   S ← S + k_t u_tᵀ;   o_t = Sᵀ q_t
+
+The pure functions take q, k as they enter the recurrence: the layer L2-normalises q and k
+and scales q by dk^-½ before calling them (no scaling inside).
+
+Chunked form (training; chunk C, WY/UT transform). Inside a chunk with cumulative log-decay
+γ_i = Σ_{j≤i} g_j and entering state S₀:
+
+    (I + A) U = diag(β) V − diag(β e^{γ}) K S₀,   A_ij = β_i e^{γ_i−γ_j} k_i·k_j  (j < i)
+    o_i = e^{γ_i} S₀ᵀ q_i + Σ_{j≤i} e^{γ_i−γ_j} (q_i·k_j) u_j
+    S_C = e^{γ_C} S₀ + Σ_j e^{γ_C−γ_j} k_j u_jᵀ
+
+Only differences γ_i − γ_j with j ≤ i (≤ 0) and γ_i ≤ 0 are exponentiated (the others are
+masked to −inf first), so strongly negative g underflows to 0 and never overflows. T is
+padded to a multiple of C with q = k = v = 0, g = 0, β = 0: a padded step neither decays
+nor writes the state and comes after every real step, so outputs and state are unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from onona_jax.params import param
+from onona_jax.sharding import constrain
+
+# fp32 matmuls of the recurrence run at full precision (no TF32 / bf16 passes on GPU):
+# the UT solve and the state carry are sensitive to it and their FLOPs are small next to
+# the projections. Pass precision=None to the pure functions to use the global default.
+PRECISION = jax.lax.Precision.HIGHEST
+L2_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------- the gated delta rule
+
+
+def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, precision=PRECISION):
+    """One step of the recurrence. state [B, H, dk, dv]; q_t, k_t [B, H, dk]; v_t [B, H, dv];
+    g_t, beta_t [B, H]. Returns (o_t [B, H, dv], new state), fp32."""
+    f32 = jnp.float32
+    state = state.astype(f32) * jnp.exp(g_t.astype(f32))[..., None, None]
+    k_t = k_t.astype(f32)
+    kv = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=precision)
+    u = beta_t.astype(f32)[..., None] * (v_t.astype(f32) - kv)
+    state = state + k_t[..., :, None] * u[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", state, q_t.astype(f32), precision=precision)
+    return o, state
+
+
+def _zero_state(q, v):
+    B, _, H, dk = q.shape
+    return jnp.zeros((B, H, dk, v.shape[-1]), jnp.float32)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, precision=PRECISION):
+    """The naive per-step recurrence (lax.scan over time). q, k [B, T, H, dk], v [B, T, H, dv],
+    g, beta [B, T, H]; initial_state [B, H, dk, dv] or None (zeros).
+    Returns (o [B, T, H, dv] fp32, final state [B, H, dk, dv] fp32)."""
+    state = _zero_state(q, v) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def body(S, xs):
+        o, S = gated_delta_step(S, *xs, precision=precision)
+        return S, o
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    state, o = jax.lax.scan(body, state, xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def unit_lower_inverse(A, precision=PRECISION):
+    """(I + A)⁻¹ for strictly lower-triangular A [..., C, C], by recursive block inversion:
+
+        [[I + A₁₁, 0], [A₂₁, I + A₂₂]]⁻¹ = [[T₁₁, 0], [−T₂₂ A₂₁ T₁₁, T₂₂]]
+
+    applied to diagonal blocks of size 1, 2, 4, … (C is padded to a power of two with
+    identity). Every step is a batched matmul (log₂ C rounds, ≈ ⅔C³ FLOPs in all), so it
+    suits accelerators and, unlike a batched LAPACK trsm on CPU, never waits on XLA's
+    intra-op thread pool (jaxlib 0.10 splits large trsm batches over it and, on 2 cores,
+    was seen to deadlock). Each T block is the exact inverse of a principal block of I + A —
+    the UT transform of a sub-chunk, bounded like the recurrence — so no intermediate grows
+    the way the power series Σ(−A)ᵏ's terms do (binomially, for aligned keys)."""
+    C = A.shape[-1]
+    batch = A.shape[:-2]
+    P = 1 << (C - 1).bit_length()  # next power of two ≥ C
+    if P != C:
+        A = jnp.pad(A, [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)])
+    inv = jnp.ones((*batch, P, 1, 1), A.dtype)  # inverses of the 1×1 diagonal blocks
+    s = 1
+    while s < P:
+        n = P // (2 * s)
+        # the n diagonal blocks of size 2s of A, and their lower-left quarters A₂₁
+        blocks = jnp.diagonal(A.reshape(*batch, n, 2 * s, n, 2 * s), axis1=-4, axis2=-2)
+        A21 = jnp.moveaxis(blocks, -1, -3)[..., s:, :s]  # [..., n, s, s]
+        T11, T22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        T21 = -jnp.matmul(jnp.matmul(T22, A21, precision=precision), T11, precision=precision)
+        top = jnp.concatenate([T11, jnp.zeros_like(T11)], axis=-1)
+        inv = jnp.concatenate([top, jnp.concatenate([T21, T22], axis=-1)], axis=-2)
+        s *= 2
+    return inv[..., 0, :C, :C]
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, precision=PRECISION):
+    """The chunked (WY/UT-transform) form, equal to `recurrent_gated_delta_rule` for any T.
+    Same arguments and results; `chunk` is the block length C (T is padded to a multiple)."""
+    f32 = jnp.float32
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, g, beta = (a.astype(f32) for a in (q, k, v, g, beta))
+    state = _zero_state(q, v) if initial_state is None else initial_state.astype(f32)
+    C = int(chunk)
+    pad = (-T) % C
+    if pad:
+        pad_t = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        q, k, v, g, beta = (pad_t(a) for a in (q, k, v, g, beta))
+    N = (T + pad) // C
+
+    # [B, N*C, H, ...] -> [N, B, H, C, ...]: chunks lead (the scan axis), positions last-but-one.
+    def chunks(a):
+        a = a.reshape(B, N, C, H, *a.shape[3:])
+        return jnp.moveaxis(a, (1, 2, 3), (0, 3, 2))
+
+    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))  # g, beta: [N, B, H, C]
+    ein = lambda s, *a: jnp.einsum(s, *a, precision=precision)  # noqa: E731
+
+    gamma = jnp.cumsum(g, axis=-1)  # [N, B, H, C], ≤ 0, non-increasing
+    i = jnp.arange(C)
+    causal = i[:, None] >= i[None, :]  # j ≤ i
+    strict = i[:, None] > i[None, :]  # j < i
+    diff = gamma[..., :, None] - gamma[..., None, :]  # γ_i − γ_j
+    decay = jnp.exp(jnp.where(causal, diff, -jnp.inf))  # [N, B, H, C, C], 0 above the diagonal
+
+    kk = ein("nbhid,nbhjd->nbhij", k, k)
+    A = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gamma))[..., None] * k], axis=-1)
+    sol = ein("nbhij,nbhjd->nbhid", unit_lower_inverse(A, precision), rhs)
+    U, W = sol[..., :dv], sol[..., dv:]  # U = T βV, W = T βe^γK with T = (I + A)⁻¹
+
+    intra = ein("nbhid,nbhjd->nbhij", q, k) * decay
+    q_dec = q * jnp.exp(gamma)[..., None]
+    k_dec = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
+    chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [N, B, H, 1, 1]
+
+    def body(S, xs):
+        U, W, intra, q_dec, k_dec, cd = xs
+        u = U - ein("bhck,bhkv->bhcv", W, S)
+        o = ein("bhck,bhkv->bhcv", q_dec, S) + ein("bhij,bhjv->bhiv", intra, u)
+        S = cd * S + ein("bhck,bhcv->bhkv", k_dec, u)
+        return S, o
+
+    state, o = jax.lax.scan(body, state, (U, W, intra, q_dec, k_dec, chunk_decay))
+    o = jnp.moveaxis(o, (0, 3, 2), (1, 2, 3)).reshape(B, N * C, H, dv)  # back to [B, T, H, dv]
+    return o[:, :T], state
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def causal_conv(x, w, state=None):
+    """Depthwise causal conv1d, no bias: out_t = Σ_j w[j] · x_{t−K+1+j} (w[K−1] weighs the
+    current step, as torch's conv1d with padding K−1). x [B, T, H, D], w [K, H, D], state
+    [B, K−1, H, D] (the previous K−1 inputs; zeros at the start of a sequence).
+    Returns (out [B, T, H, D], new state = the last K−1 inputs)."""
+    K, T = w.shape[0], x.shape[1]
+    if state is None:
+        state = jnp.zeros((x.shape[0], K - 1, *x.shape[2:]), x.dtype)
+    xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    w = w.astype(x.dtype)
+    out = sum(w[j] * xp[:, j : j + T] for j in range(K))
+    return out, xp[:, xp.shape[1] - (K - 1) :]
+
+
+def l2_normalize(x, eps=L2_EPS):
+    """x · rsqrt(Σx² + eps) over the last axis, fp32 (as fla and HF's l2norm)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+    """The GDN token mixer of SPEC §3.
+
+    Parameters (bias-free; [in, ..., out] like the attention layer):
+        q, k       [d, H, dk]     v, gate [d, H, dv]      a, b [d, H]
+        A_log [H] (init log U(1e-4, 16))      dt_bias [H] (init softplus⁻¹ dt, dt ∈ [1e-3, 0.1])
+        conv_q, conv_k [K, H, dk], conv_v [K, H, dv]: depthwise causal conv1d weights, the
+            channels (H·D, head-major as in HF) split as [H, D]; init N(0, 0.02²) as HF's
+            `_init_weights` does for nn.Conv1d.
+        norm [dv]: the gated RMSNorm weight shared by heads (init ones, eps = cfg.norm_eps)
+        o [H, dv, d]
+
+    Projections and the conv run in x's dtype; L2 norm, decay, β, the recurrence and the
+    gated norm in fp32; o_proj in x's dtype.
+    """
+
+    def __init__(self, cfg, stack=None):
+        d, G = cfg.d_model, cfg.gdn
+        H, dk, dv, K = G.n_heads, G.head_dim_k, G.head_dim_v, G.conv_kernel
+        self.q = param((d, H, dk), ("embed", "gdn_heads", "head_dim"), stack=stack)
+        self.k = param((d, H, dk), ("embed", "gdn_heads", "head_dim"), stack=stack)
+        self.v = param((d, H, dv), ("embed", "gdn_heads", "head_dim"), stack=stack)
+        self.gate = param((d, H, dv), ("embed", "gdn_heads", "head_dim"), stack=stack)
+        self.a = param((d, H), ("embed", "gdn_heads"), stack=stack)
+        self.b = param((d, H), ("embed", "gdn_heads"), stack=stack)
+        self.A_log = param((H,), ("gdn_heads",), "a_log", stack=stack)
+        self.dt_bias = param((H,), ("gdn_heads",), "dt_bias", stack=stack)
+        self.conv_q = param((K, H, dk), ("conv", "gdn_heads", "head_dim"), stack=stack)
+        self.conv_k = param((K, H, dk), ("conv", "gdn_heads", "head_dim"), stack=stack)
+        self.conv_v = param((K, H, dv), ("conv", "gdn_heads", "head_dim"), stack=stack)
+        self.norm = param((dv,), ("norm",), "ones", stack=stack)
+        self.o = param((H, dv, d), ("gdn_heads", "head_dim", "embed"), stack=stack)
+        self.eps, self.chunk, self.kernel = cfg.norm_eps, G.chunk, K
+        self.heads, self.dk, self.dv = H, dk, dv
+
+    # -- pieces shared by the full-sequence and the step forms
+
+    def _inputs(self, x, conv_state):
+        """(q, k, v, g, beta, gate, new conv state) for x [B, T, d]."""
+        dt = x.dtype
+        proj = lambda w: jnp.einsum("btd,dhe->bthe", x, w[...].astype(dt))  # noqa: E731
+        conv_state = conv_state or {}
+        new_conv, qkv = {}, []
+        for name in ("q", "k", "v"):
+            y = constrain(proj(getattr(self, name)), ("batch", "seq", "act_heads", None))
+            y, new_conv[name] = causal_conv(y, getattr(self, f"conv_{name}")[...], conv_state.get(name))
+            qkv.append(jax.nn.silu(y))
+        q, k, v = qkv
+        q = l2_normalize(q) * (self.dk**-0.5)
+        k = l2_normalize(k)
+        a = jnp.einsum("btd,dh->bth", x, self.a[...].astype(dt)).astype(jnp.float32)
+        b = jnp.einsum("btd,dh->bth", x, self.b[...].astype(dt)).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
+        beta = jax.nn.sigmoid(b)
+        gate = proj(self.gate)
+        return q, k, v.astype(jnp.float32), g, beta, gate, new_conv
+
+    def _output(self, o, gate, dtype):
+        """o_proj(rmsnorm(o) · w · silu(gate)); o [B, T, H, dv] fp32."""
+        o = o * jax.lax.rsqrt(jnp.mean(jnp.square(o), axis=-1, keepdims=True) + self.eps)
+        o = o * self.norm[...].astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        o = constrain(o.astype(dtype), ("batch", "seq", "act_heads", None))
+        return jnp.einsum("bthv,hvd->btd", o, self.o[...].astype(dtype))
+
+    # -- public forms
+
+    def init_cache(self, batch: int, max_len: int = 0, dtype=jnp.float32) -> dict:
+        """Decoding cache: the last K−1 projected q/k/v inputs of the conv, and the state
+        (its size does not grow with `max_len`, which is accepted to match attention's)."""
+        conv = {
+            n: jnp.zeros((batch, self.kernel - 1, self.heads, dim), dtype)
+            for n, dim in (("q", self.dk), ("k", self.dk), ("v", self.dv))
+        }
+        return {"conv": conv, "state": jnp.zeros((batch, self.heads, self.dk, self.dv), jnp.float32)}
+
+    def forward(self, x, cache=None, recurrent: bool = False):
+        """(y [B, T, d] in x's dtype, cache after the last step). `cache` (from `init_cache`
+        or a previous call) continues a sequence; `recurrent` uses the naive per-step scan
+        instead of the chunked form (same result)."""
+        cache = cache or {}
+        q, k, v, g, beta, gate, conv = self._inputs(x, cache.get("conv"))
+        if recurrent:
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, cache.get("state"))
+        else:
+            o, state = chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, cache.get("state"))
+        return self._output(o, gate, x.dtype), {"conv": conv, "state": state}
+
+    def step(self, x_t, cache):
+        """One decoding step with `gated_delta_step`: x_t [B, d] -> (y_t [B, d], cache)."""
+        q, k, v, g, beta, gate, conv = self._inputs(x_t[:, None], cache["conv"])
+        o, state = gated_delta_step(cache["state"], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+        y = self._output(o[:, None], gate, x_t.dtype)
+        return y[:, 0], {"conv": conv, "state": state}
+
+    def extend(self, x, positions, cache, length, start):
+        """T new tokens x [B, T, d] after `cache` (the decoding interface attention has):
+        the chunked form for a prompt, `step` (the naive recurrence) for one token. Left pads
+        (slots before `start`) get a zero input: the layer has no biases, so their q, k, v are
+        zero and they write nothing into the (still zero) state and leave zeros in the conv
+        window, exactly as if they were absent. `positions` is unused."""
+        T = x.shape[1]
+        valid = (length + jnp.arange(T))[None, :] >= start[:, None]
+        x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
+        if T == 1:
+            y, cache = self.step(x[:, 0], cache)
+            return y[:, None], cache
+        return self.forward(x, cache)
+
+    def __call__(self, x, positions=None):
+        """y [B, T, d] in x's dtype; `positions` is unused (GDN has no positional encoding)."""
+        return self.forward(x)[0]

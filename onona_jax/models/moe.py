@@ -1,0 +1,230 @@
+"""Mixture-of-experts feed-forward (SPEC §3): top-k routing with expert capacity.
+
+    logits = x Wr (fp32)        p = softmax(logits) over all E experts (fp32)
+    (w, e) = top_k(p)           w /= Σw if moe.renormalize
+    y_t    = Σ_j w_tj · SwiGLU_{e_tj}(x_t)   for the assignments that fit in capacity
+
+Capacity. The capacity group is ONE SEQUENCE (a row of the batch): each expert takes at
+most C = min(ceil(capacity_factor · T · top_k / E), T) assignments per row of T tokens.
+Per-row groups keep routing independent of the micro-batch size, the data-parallel split
+and the evaluation batch (a window's output never depends on its neighbours), and the
+bookkeeping never crosses the batch axis, so it needs no communication when the batch is
+sharded. An expert can receive at most T assignments from T tokens (a token's k choices
+are distinct experts), hence the cap at T, and capacity_factor ≥ E/top_k (4.0 for 8
+experts, top-2: the evaluation factor) drops nothing, which is HF Qwen3-MoE's behaviour.
+
+Priority (GShard / Switch): all first choices before any second choice, and within one
+choice rank the earlier token first; i.e. assignments are ranked by (choice j, position t)
+and expert e keeps its first C. A dropped assignment contributes zero, so a token that
+loses all k choices gets y = 0 and passes through the residual unchanged.
+
+Two dispatch implementations with identical results (`moe.dispatch`): 'dense' (one-hot
+dispatch/combine tensors and einsums, GShard) and 'sort' (assignments stably sorted by
+expert, gathered into [E, C, d] buffers, gathered back).
+
+Statistics. `MoE.__call__` returns (y, aux); the trunk sums aux over layers, and
+`load_balancing_loss(aux, E, k)` then reproduces HF
+`qwen3_moe.load_balancing_loss_func` on all layers' router logits (pooled over layers and
+tokens); `router_stats(aux)` gives drop fraction and expert load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from onona_jax.params import param
+from onona_jax.sharding import constrain
+
+AUX_KEYS = ("moe_assign", "moe_prob", "moe_tokens", "moe_dropped", "moe_layers")
+
+
+def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Expert capacity C for a group of `tokens` tokens (see the module docstring)."""
+    return int(min(math.ceil(capacity_factor * tokens * top_k / n_experts), tokens))
+
+
+def eval_config(cfg_model):
+    """A copy of the model config whose MoE capacity factor is the evaluation one (4.0):
+    build the evaluation model from it (the factor is read when the MoE is constructed)."""
+    c = cfg_model.copy_and_resolve_references()
+    c.moe.capacity_factor = c.moe.eval_capacity_factor
+    return c
+
+
+def config_problems(cfg_model) -> list[str]:
+    """What is wrong with the model config's moe keys, each naming the key and the fix."""
+    mo = cfg_model.moe
+    out = []
+    if not 0 < mo.top_k <= mo.n_experts:
+        out.append(f"model.moe.top_k={mo.top_k} must be in 1..n_experts ({mo.n_experts})")
+    if mo.dispatch not in DISPATCH:
+        out.append(f"model.moe.dispatch {mo.dispatch!r}: one of {', '.join(DISPATCH)}")
+    return out
+
+
+def aux_loss(stats: dict, cfg_model):
+    """(aux_coef × the load-balancing loss, the router metrics the step logs) from the trunk's
+    layer-summed statistics."""
+    E = cfg_model.moe.n_experts
+    balance = load_balancing_loss(stats, E)
+    router = router_stats(stats)
+    metrics = dict(moe_aux_loss=balance, moe_drop_fraction=router["drop_fraction"],
+                   moe_max_load=router["max_load"], moe_load=router["expert_load"])
+    return cfg_model.moe.aux_coef * balance, metrics
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def route(x, router, top_k: int, renormalize: bool):
+    """fp32 (logits [B,T,E], probs [B,T,E], top-k weights [B,T,k], top-k experts [B,T,k])."""
+    logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits, probs, weights, experts
+
+
+def priority_positions(experts, n_experts: int):
+    """Each assignment's slot in its expert's buffer under the (choice, token) priority.
+
+    experts: [B, T, k] -> (ids [B, k·T] in priority order a = j·T + t, pos [B, k·T])."""
+    B, T, k = experts.shape
+    ids = jnp.swapaxes(experts, 1, 2).reshape(B, k * T)
+    onehot = jax.nn.one_hot(ids, n_experts, dtype=jnp.int32)  # [B, kT, E]
+    pos = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
+    return ids, pos
+
+
+def swiglu_experts(xe, gate, up, down):
+    """xe: [B, E, C, d] -> [B, E, C, d], expert e's SwiGLU on its buffer."""
+    dt = xe.dtype
+    g = jnp.einsum("becd,edf->becf", xe, gate.astype(dt))
+    u = jnp.einsum("becd,edf->becf", xe, up.astype(dt))
+    h = constrain(jax.nn.silu(g) * u, ("batch", None, None, "act_mlp"))
+    return jnp.einsum("becf,efd->becd", h, down.astype(dt))
+
+
+def dispatch_dense(x, weights, experts, C, gate, up, down):
+    """GShard: one-hot dispatch [B,T,E,C] and combine (= dispatch · router weight)."""
+    B, T, k = experts.shape
+    E = gate.shape[0]
+    ids, pos = priority_positions(experts, E)
+    # Per (token, expert): slot + 1 if the token chose the expert, else 0; and its weight.
+    # A token's k choices are distinct experts, so summing over the choices is exact.
+    chose = jax.nn.one_hot(ids, E, dtype=jnp.int32).reshape(B, k, T, E)
+    slot = jnp.sum(chose * (pos.reshape(B, k, T) + 1)[..., None], axis=1) - 1  # [B, T, E]
+    w = jnp.einsum("bjte,btj->bte", chose.astype(weights.dtype), weights)
+    # one_hot of −1 (not chosen) or of a slot ≥ C (over capacity: the drop) is all zeros.
+    dispatch = jax.nn.one_hot(slot, C, dtype=x.dtype)  # [B, T, E, C]
+    combine = dispatch * w[..., None].astype(x.dtype)
+    xe = jnp.einsum("btec,btd->becd", dispatch, x)
+    out = swiglu_experts(xe, gate, up, down)
+    return jnp.einsum("btec,becd->btd", combine, out)
+
+
+def dispatch_sort(x, weights, experts, C, gate, up, down):
+    """Sort assignments by expert (stable, so priority order is kept within an expert),
+    gather each expert's first C into [E, C, d], run the experts, gather the results back
+    to their assignments and sum a token's k weighted outputs."""
+    B, T, k = experts.shape
+    E, d = gate.shape[0], x.shape[-1]
+    ids = jnp.swapaxes(experts, 1, 2).reshape(B, k * T)  # a = j·T + t
+    w = jnp.swapaxes(weights, 1, 2).reshape(B, k * T)
+    order = jnp.argsort(ids, axis=1, stable=True)  # sorted rank -> assignment
+    rank = jnp.argsort(order, axis=1)  # assignment -> sorted rank (inverse permutation)
+    counts = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.int32), axis=1)  # [B, E]
+    starts = jnp.cumsum(counts, axis=1) - counts
+    # Buffer slot (e, c) holds sorted entry starts[e] + c when c < counts[e].
+    c = jnp.arange(C)
+    valid = c[None, None, :] < jnp.minimum(counts, C)[:, :, None]  # [B, E, C]
+    src = jnp.clip(starts[:, :, None] + c, 0, k * T - 1).reshape(B, E * C)
+    token = jnp.take_along_axis(order, src, axis=1) % T
+    token = jnp.where(valid.reshape(B, E * C), token, T)  # T: a zero row (empty slot)
+    x_pad = jnp.concatenate([x, jnp.zeros((B, 1, d), x.dtype)], axis=1)
+    xe = jnp.take_along_axis(x_pad, token[..., None], axis=1).reshape(B, E, C, d)
+    out = swiglu_experts(xe, gate, up, down).reshape(B, E * C, d)
+    # Back: assignment a sits at slot ids·C + pos, pos = rank − starts[ids]; ≥ C: dropped.
+    pos = rank - jnp.take_along_axis(starts, ids, axis=1)
+    slot = jnp.where(pos < C, ids * C + pos, E * C)
+    out_pad = jnp.concatenate([out, jnp.zeros((B, 1, d), out.dtype)], axis=1)
+    ya = jnp.take_along_axis(out_pad, slot[..., None], axis=1) * w[..., None].astype(x.dtype)
+    return jnp.sum(ya.reshape(B, k, T, d), axis=1)
+
+
+DISPATCH = {"dense": dispatch_dense, "sort": dispatch_sort}
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class MoE(nnx.Module):
+    """Router Linear(d, E, bias=False) and E SwiGLU experts stacked as [E, d, f] arrays."""
+
+    def __init__(self, cfg, stack=None):
+        d, mo = cfg.d_model, cfg.moe
+        E, f = mo.n_experts, mo.d_expert
+        self.router = param((d, E), ("embed", "expert"), stack=stack)
+        self.gate = param((E, d, f), ("expert", "embed", "mlp"), stack=stack)
+        self.up = param((E, d, f), ("expert", "embed", "mlp"), stack=stack)
+        self.down = param((E, f, d), ("expert", "mlp", "embed"), stack=stack)
+        self.n_experts, self.top_k = E, mo.top_k
+        self.renormalize, self.capacity_factor = bool(mo.renormalize), float(mo.capacity_factor)
+        self.dispatch = mo.dispatch
+        if self.dispatch not in DISPATCH:
+            raise ValueError(f"model.moe.dispatch {self.dispatch!r}: dense or sort")
+
+    def __call__(self, x):
+        """x: [B, T, d] -> (y [B, T, d] in x.dtype, aux dict of fp32 statistics)."""
+        B, T, _ = x.shape
+        E, k = self.n_experts, self.top_k
+        _, probs, weights, experts = route(x, self.router[...], k, self.renormalize)
+        C = capacity(T, E, k, self.capacity_factor)
+        y = DISPATCH[self.dispatch](x, weights, experts, C, self.gate[...], self.up[...], self.down[...])
+        # Statistics are not differentiated except moe_prob (the loss's gradient path, as HF).
+        counts = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(0, 1, 2)))
+        _, pos = priority_positions(jax.lax.stop_gradient(experts), E)
+        aux = {
+            "moe_assign": counts,  # [E] top-k assignments before capacity (HF's f numerator)
+            "moe_prob": jnp.sum(probs, axis=(0, 1)),  # [E] router probabilities summed over tokens
+            "moe_tokens": jnp.asarray(B * T, jnp.float32),
+            "moe_dropped": jnp.sum(pos >= C).astype(jnp.float32),  # assignments over capacity
+            "moe_layers": jnp.asarray(1.0, jnp.float32),
+        }
+        return y, aux
+
+
+# ----------------------------------------------------------------------------- losses and stats
+
+
+def load_balancing_loss(aux, n_experts: int, top_k: int | None = None):
+    """Switch load-balancing loss pooled over layers and tokens, as HF
+    `load_balancing_loss_func(router_logits of all layers, E, top_k)` without a mask:
+
+        E · Σ_e f_e · P_e,  f_e = (top-k assignments to e) / (tokens · layers),
+                            P_e = (Σ router prob of e) / (tokens · layers)
+
+    f is NOT divided by top_k (Σ_e f_e = top_k), so perfectly uniform routing gives top_k.
+    `top_k` is what the counts were made with (it only enters through `aux`); it is accepted
+    to mirror HF's signature. Multiply by `moe.aux_coef` and add to the loss; aux is the
+    trunk's layer-summed statistics (`Model.forward(tokens)[2]`). 0 when there are none."""
+    del top_k
+    if "moe_tokens" not in aux:
+        return jnp.zeros((), jnp.float32)
+    rows = aux["moe_tokens"]
+    return n_experts * jnp.sum((aux["moe_assign"] / rows) * (aux["moe_prob"] / rows))
+
+
+def router_stats(aux) -> dict:
+    """drop_fraction: assignments over capacity / all assignments; expert_load [E]: each
+    expert's share of the top-k assignments (before capacity; 1/E balanced); max_load: the
+    largest share."""
+    assign = aux["moe_assign"]
+    total = jnp.sum(assign)
+    load = assign / total
+    return {"drop_fraction": aux["moe_dropped"] / total, "expert_load": load, "max_load": jnp.max(load)}

@@ -1,0 +1,166 @@
+"""PyTorch reference of onóna: the paper's Figure 2 transcribed literally, on an HF Qwen3 body.
+
+The parity tests hold the JAX model to this. Keep `TwinTables` as the paper wrote it.
+Imports torch and transformers: only tests and converters use this module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onona_jax.serve import convert
+
+
+class TwinTables(nn.Module):
+    """Figure 2 of the paper."""
+
+    def __init__(self, V, d, std=0.02):
+        super().__init__()
+        self.A = nn.Parameter(std * torch.randn(V, d))
+        self.B = nn.Parameter(std * torch.randn(V, d))
+        self.w = nn.Linear(d, 1, bias=False)
+
+    def merged(self):
+        return 0.5 * (self.A + self.B)
+
+    def embed(self, ids):
+        return F.embedding(ids, self.merged())
+
+    def gate_logit(self, x0):
+        return self.w(F.rms_norm(x0, x0.shape[-1:]))
+
+    def log_probs(self, h, x0):
+        z = self.gate_logit(x0).float()
+        la = (h @ self.A.T).float()
+        lb = (h @ self.B.T).float()
+        la = F.log_softmax(la, -1)
+        lb = F.log_softmax(lb, -1)
+        return torch.logaddexp(la + F.logsigmoid(z), lb + F.logsigmoid(-z))
+
+
+class TwinQwen3(nn.Module):
+    """x0 = twin.embed(ids); h = body(x0) (Qwen3Model, final norm included); twin.log_probs."""
+
+    def __init__(self, cfg_model):
+        super().__init__()
+        from transformers import Qwen3Model
+
+        self.model = Qwen3Model(convert.hf_qwen3_config(cfg_model))
+        # The body reads M = (A+B)/2 through `inputs_embeds`; its own table would be dead
+        # weight (and is absent from the converter's twin state dict).
+        self.model.embed_tokens = None
+        self.twin = TwinTables(cfg_model.vocab_size, cfg_model.d_model)
+
+    def forward(self, ids):
+        x0 = self.twin.embed(ids)
+        h = self.model(inputs_embeds=x0).last_hidden_state
+        return self.twin.log_probs(h, x0)
+
+    @torch.no_grad()
+    def load_from_jax(self, params, cfg_model):
+        sd = convert.to_hf_state_dict(params, cfg_model)
+        sd = {k: torch.from_numpy(v) for k, v in sd.items()}
+        sd["twin.w.weight"] = sd.pop("twin.gate.weight")  # Figure 2 calls the gate Linear `w`
+        self.load_state_dict(sd, strict=True)
+        return self
+
+
+class TwinServing(nn.Module):
+    """The serving form of a twin model, from `python -m onona_jax.serve.export` (SPEC §1, Serving).
+
+    M = (A+B)/2 is folded once and the gate is a lookup over input tokens: g = σ(z) with
+    z_v = wᵀ rmsnorm(M_v) precomputed for every v. Scoring (exact) needs both projections:
+
+        x0 = M[ids];  h = Qwen3Model(inputs_embeds=x0)
+        log p = logaddexp(log_softmax(hAᵀ) + logσ(z[ids]), log_softmax(hBᵀ) + logσ(−z[ids]))
+
+    (logσ(z) = log g and logσ(−z) = log(1 − g), computed without rounding 1 − g.)
+    Sampling at temperature 1 without truncation is exact with one projection
+    (`sample_next`)."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        from transformers import Qwen3Config, Qwen3Model
+
+        self.config = config
+        self.model = Qwen3Model(Qwen3Config(**config["qwen3"]))
+        self.model.embed_tokens = None  # the body reads M through inputs_embeds
+        V, d = int(config["vocab_size"]), int(config["d_model"])
+        for name in ("M", "A", "B"):
+            self.register_buffer(name, torch.zeros(V, d))
+        self.register_buffer("g", torch.zeros(V))
+        self.register_buffer("gate_logit", torch.zeros(V))
+
+    @classmethod
+    @torch.no_grad()
+    def from_export(cls, path, device="cpu"):
+        """Load an export folder (twin_config.json + model.safetensors)."""
+        import json
+        import os
+
+        from safetensors.torch import load_file
+
+        cfg_path = os.path.join(path, "twin_config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"{path} has no twin_config.json; make it with "
+                             f"`python -m onona_jax.serve.export --workdir=<twin run> --output={path}`")
+        with open(cfg_path) as f:
+            config = json.load(f)
+        if config.get("format") != "onona-twin-serving" or config.get("format_version") != 1:
+            raise ValueError(f"{cfg_path}: format {config.get('format')!r} version "
+                             f"{config.get('format_version')!r}; expected 'onona-twin-serving' 1")
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        module = cls(config)
+        body = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        module.model.load_state_dict(body, strict=True)
+        for name, key in (("M", "twin.M"), ("A", "twin.A"), ("B", "twin.B"), ("g", "twin.g"),
+                          ("gate_logit", "twin.gate_logit")):
+            getattr(module, name).copy_(tensors[key])
+        return module.to(device).eval()
+
+    def hidden(self, ids):
+        return self.model(inputs_embeds=F.embedding(ids, self.M)).last_hidden_state
+
+    def forward(self, ids):
+        """fp32 log-probabilities of the next token, [B, T, V]."""
+        h = self.hidden(ids)
+        la = F.log_softmax((h @ self.A.T).float(), -1)
+        lb = F.log_softmax((h @ self.B.T).float(), -1)
+        z = self.gate_logit[ids].float().unsqueeze(-1)
+        return torch.logaddexp(la + F.logsigmoid(z), lb + F.logsigmoid(-z))
+
+    @torch.no_grad()
+    def score(self, ids):
+        """log p(ids[:, t+1] | ids[:, :t+1]) for t < T−1, fp32 [B, T−1]."""
+        ids = torch.as_tensor(ids).long()
+        lp = self(ids[:, :-1])
+        return lp.gather(-1, ids[:, 1:, None])[..., 0]
+
+    @torch.no_grad()
+    def score_text(self, text: str, prepend_eot: bool = True) -> dict:
+        """Token ids of `text` (GPT-2 BPE), each one's log-probability given the text before it
+        (the first conditioned on <|endoftext|>, as at a document start in training), and the sum."""
+        from onona_jax.tokenizer import EOT, encode
+
+        ids = ([EOT] if prepend_eot else []) + encode(text)
+        if len(ids) < 2:
+            raise ValueError("need at least two tokens to score (or prepend_eot=True)")
+        lp = self.score(torch.tensor([ids], device=self.M.device))[0]
+        scored = ids[1:]
+        return {"ids": scored, "log_probs": lp.tolist(), "total": float(lp.sum())}
+
+    @torch.no_grad()
+    def sample_next(self, ids, generator=None):
+        """One next token per row at temperature 1 with one projection: c ~ Bernoulli(g[x_t]),
+        then sample from softmax(Ah_t) if c else softmax(Bh_t). [B, T] -> [B]."""
+        ids = torch.as_tensor(ids).long()
+        h = self.hidden(ids)[:, -1]
+        last = ids[:, -1]
+        use_a = torch.rand(last.shape, generator=generator, device=h.device) < self.g[last]
+        logits = torch.empty(h.shape[0], self.A.shape[0], device=h.device)
+        for mask, table in ((use_a, self.A), (~use_a, self.B)):  # each row: one projection
+            if mask.any():
+                logits[mask] = (h[mask] @ table.T).float()
+        return torch.multinomial(F.softmax(logits, -1), 1, generator=generator)[:, 0]

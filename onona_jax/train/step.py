@@ -1,0 +1,92 @@
+"""The jitted train step: forward, loss (with the family's auxiliary loss), gradients
+accumulated over micro-batches, AdamW, all with explicit shardings on the run's mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from onona_jax import models, sharding
+from onona_jax.train.state import Run
+
+
+def loss_and_aux(graphdef, params, tokens, cfg_model, layout=None):
+    """(objective, aux) of a [b, T+1] batch: the mean next-token NLL (`aux["lm_loss"]`) plus
+    the family's auxiliary loss (MoE: aux_coef × load balancing, pooled over layers); aux also
+    carries gate statistics (gated heads) and the family's metrics (MoE routing). `layout`
+    (`sharding.loss_layout`) shards the fused loss over the mesh."""
+    model = models.bind(graphdef, params)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    h, x0, stats = model.forward(inputs)
+    loss = -jnp.mean(model.head.target_log_probs(h, x0, targets, layout))
+    aux = {"lm_loss": loss}
+    if model.head.gated:
+        g = model.head.gate_probs(inputs)
+        aux.update(gate_mean=jnp.mean(g), gate_sq=jnp.mean(jnp.square(g)))
+    extra, metrics = models.family(cfg_model).aux_loss(stats, cfg_model)
+    aux.update(metrics)
+    return loss + extra, aux
+
+
+def accumulated_grads(run: Run, params, batch):
+    """(loss, aux, grads) of a global [G, T+1] batch, averaged over `run.accum` micro-batches
+    scanned in sequence (one compiled body)."""
+    A = run.accum
+    layout = sharding.loss_layout(run.mesh)
+    grad_fn = jax.value_and_grad(lambda p, b: loss_and_aux(run.graphdef, p, b, run.cfg.model, layout), has_aux=True)
+    G, T1 = batch.shape
+    # Micro-batch a takes rows a, a+A, a+2A, ...: each device keeps its own rows, and the
+    # grouping does not depend on the mesh.
+    micro = batch.reshape(G // A, A, T1).swapaxes(0, 1)
+    micro = sharding.constrain(micro, (None, "batch", None))
+    if A == 1:
+        (loss, aux), grads = grad_fn(params, micro[0])
+        return loss, aux, grads
+
+    def body(carry, mb):
+        (loss, aux), grads = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+    shapes = jax.eval_shape(grad_fn, params, micro[0])
+    (loss, aux), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    grads = jax.lax.with_sharding_constraint(grads, run.param_shardings)
+    (loss, aux, grads), _ = jax.lax.scan(body, (loss, aux, grads), micro)
+    return jax.tree.map(lambda x: x / A, (loss, aux, grads))
+
+
+def make_train_step(run: Run):
+    tx, schedule = run.tx, run.schedule
+
+    def step(state, batch):
+        params = state["params"]
+        loss, aux, grads = accumulated_grads(run, params, batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        aux = dict(aux)
+        metrics = {"loss": aux.pop("lm_loss"), "grad_norm": optax.global_norm(grads),
+                   "lr": schedule(state["step"])}
+        if "gate_mean" in aux:
+            gate_sq = aux.pop("gate_sq")
+            metrics["gate_std"] = jnp.sqrt(jnp.maximum(gate_sq - aux["gate_mean"] ** 2, 0.0))
+        for key in [k for k, v in aux.items() if v.ndim == 1]:  # a vector: one scalar per entry
+            vec = aux.pop(key)  # (MoE: moe_load_<expert>), for the log
+            metrics.update({f"{key}_{e}": vec[e] for e in range(vec.shape[0])})
+        metrics.update(aux)
+        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    replicated = NamedSharding(run.mesh, P())
+    return jax.jit(
+        sharding.under_rules(step, run.mesh),
+        in_shardings=(run.state_shardings, run.batch_sharding),
+        out_shardings=(run.state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+
+def global_batch(run: Run, local: np.ndarray) -> jax.Array:
+    """This process's rows of the global batch -> one global array sharded over data×fsdp."""
+    return jax.make_array_from_process_local_data(run.batch_sharding, local)
