@@ -5,16 +5,17 @@ forward+backward on this machine, fp32, at the tiny/small configs' training shap
     python benchmarks/bench_moe.py [--reps 10] [--shapes tiny,small,142m,142m-T512]
 """
 
-import argparse
 import json
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 
-from onona_jax import config
+from onona_jax import cli, config
 from onona_jax.models import moe
 from onona_jax.params import abstract_state, init_params
 
@@ -73,17 +74,18 @@ def bench(name, reps):
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    args = ap.parse_args()
+def define(fv, argv):
+    flags.DEFINE_integer("reps", 10, "timed repetitions per dispatch", flag_values=fv)
+    flags.DEFINE_list("shapes", list(SHAPES), "shapes to time", flag_values=fv)
+
+
+def _main(fv, args):
     out = {"backend": jax.default_backend(), "devices": jax.device_count(), "results": {}}
-    for name in args.shapes.split(","):
-        res = out["results"][name] = bench(name, args.reps)
+    for name in fv.shapes:
+        res = out["results"][name] = bench(name, fv.reps)
         print(json.dumps({name: res}), flush=True)
     print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(define, _main, None, __doc__))

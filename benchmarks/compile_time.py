@@ -6,13 +6,14 @@ Lowers and compiles the full train step (forward, backward, AdamW) from abstract
 one device of this machine, so nothing is allocated; prints seconds per variant.
 """
 
-import argparse
 import json
+import sys
 import time
 
 import jax
+from absl import flags
 
-from onona_jax import config
+from onona_jax import cli, config
 from onona_jax import train as trainer
 
 
@@ -27,21 +28,22 @@ def compile_seconds(cfg) -> float:
     return time.perf_counter() - start
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="configs/paper.py:dense-142m-twin")
-    ap.add_argument("--micro_batch", type=int, default=1, help="rows per micro-batch (compile only)")
-    args = ap.parse_args()
+def define(fv, argv):
+    flags.DEFINE_integer("micro_batch", 1, "rows per micro-batch (compile only)", flag_values=fv)
+    return config.define_flag(fv, argv, "configs/paper.py:dense-142m-twin")
+
+
+def _main(fv, args):
     out = {}
     for scan in (True, False):
-        cfg = config.load(args.config)
+        cfg = fv.config.copy_and_resolve_references()
         cfg.mesh.data = 1
         cfg.model.scan_layers = scan
-        cfg.train.global_batch = cfg.train.micro_batch = args.micro_batch
-        out["scan" if scan else "loop"] = round(compile_seconds(cfg), 1)
-    out.update(config=args.config, layers=cfg.model.n_layers, backend=jax.default_backend())
+        cfg.train.global_batch = cfg.train.micro_batch = fv.micro_batch
+        out["scan" if scan else "loop"] = round(compile_seconds(config.validate(cfg)), 1)
+    out.update(config=fv.config.name, layers=cfg.model.n_layers, backend=jax.default_backend())
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(define, _main, None, __doc__))

@@ -2,7 +2,7 @@
 under the standard and twin heads, on one device of this machine.
 
     python benchmarks/family_bench.py [--size small] [--steps 10] [--warmup 2] [--output FILE]
-    python benchmarks/family_bench.py --size tiny --steps 5 --no-compile   # quick
+    python benchmarks/family_bench.py --size tiny --steps 5 --nocompile   # quick
 
 Every variant (family × head, as `configs/paper.py:<arch>-<size>-<head>`, its own batch and
 sequence length) is compiled and warmed up first; then the timed steps run round-robin, one
@@ -17,7 +17,6 @@ buffers have fixed shapes). Prints a Markdown table and writes JSON with `--outp
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -27,8 +26,9 @@ import time
 
 import jax
 import numpy as np
+from absl import flags
 
-from onona_jax import config, summary
+from onona_jax import cli, config, summary
 from onona_jax import train as trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,33 +134,37 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="small", help="a configs/paper.py size: small (default) or tiny")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant after compiling")
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--heads", default=",".join(HEADS))
-    ap.add_argument("--no-compile", action="store_true", help="skip the compile-time measurements")
-    ap.add_argument("--output", default="", help="write the results as JSON here")
-    args = ap.parse_args(argv)
-    families, heads = args.families.split(","), args.heads.split(",")
+def define(fv, argv):
+    flags.DEFINE_string("size", "small", "a configs/paper.py size: small (default) or tiny", flag_values=fv)
+    flags.DEFINE_integer("steps", 10, "timed steps per variant", flag_values=fv)
+    flags.DEFINE_integer("warmup", 2, "untimed steps per variant after compiling", flag_values=fv)
+    flags.DEFINE_list("families", list(FAMILIES), "families to time (dense among them)", flag_values=fv)
+    flags.DEFINE_list("heads", list(HEADS), "heads to time", flag_values=fv)
+    flags.DEFINE_bool("compile", True, "measure compile times (--nocompile: skip)", flag_values=fv)
+    flags.DEFINE_string("output", "", "write the results as JSON here", flag_values=fv)
+
+
+def _main(fv, args):
+    families, heads = fv.families, fv.heads
     if "dense" not in families:
-        ap.error("--families must include dense (the ratios are to it)")
+        raise cli.UsageError("--families must include dense (the ratios are to it)")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    rows = bench(args.size, families, heads, args.steps, args.warmup, not args.no_compile, log)
+    rows = bench(fv.size, families, heads, fv.steps, fv.warmup, fv.compile, log)
     table = markdown(rows)
     print(table)
-    if args.output:
+    if fv.output:
         meta = dict(
             date=datetime.date.today().isoformat(), command=" ".join(["python", *sys.argv]),
-            size=args.size, steps=args.steps, warmup=args.warmup, backend=jax.default_backend(),
+            size=fv.size, steps=fv.steps, warmup=fv.warmup, backend=jax.default_backend(),
             device=jax.devices()[0].device_kind, cpu_count=os.cpu_count(),
             cpus_usable=len(os.sched_getaffinity(0)), jax=jax.__version__,
         )
-        with open(args.output, "w") as f:
+        with open(fv.output, "w") as f:
             json.dump({**meta, "rows": rows, "markdown": table}, f, indent=2)
-    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run(define, _main, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -130,10 +130,11 @@ def saved_config(workdir: str, step: int | None = None):
     return ml_collections.ConfigDict(ckpts.restore_config(use))
 
 
-def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None):
+def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, parts=None):
     """(params, step, cfg, mesh) of a run's checkpoint (the latest readable one unless `step`),
     the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` whatever mesh
-    trained them."""
+    trained them. `parts` (e.g. ("head",)) restores only those top-level parts of the tree,
+    so a caller can hold one part at a time (serving folds the head before the trunk)."""
     from onona_jax import models, sharding
     from onona_jax.config import validate
 
@@ -141,6 +142,8 @@ def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devic
     ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
     grid = sharding.make_mesh(*mesh, devices)
     abstract = models.placed(cfg.model, grid)
+    if parts is not None:
+        abstract = {k: abstract[k] for k in parts}
     restored = ckpts.restore_latest(None, step, read=lambda s: (ckpts.restore_params(s, abstract),))
     step, params = restored
     return params, step, cfg, grid

@@ -474,6 +474,14 @@ class TwinOutputOnlyHead(TwinHead):
         return self.A[...]
 
 
+class NoHead(nnx.Module):
+    """No parameters: the model of a server that reads its input rows and computes its output
+    from a head's `Folded` tables, so the unfolded tables need not stay in memory."""
+
+    def embed(self, tokens):
+        raise ValueError("a model served from folded tables takes its input rows as x0")
+
+
 HEADS: dict[str, Callable] = {
     "standard": StandardHead,
     "twin": TwinHead,

@@ -17,6 +17,7 @@ from onona_jax import cli
 from onona_jax import config as config_lib
 from onona_jax import heads as heads_lib
 from onona_jax import models as model_lib
+from onona_jax.models import attnres, gdn
 from onona_jax.params import flat_variables, path_str
 
 COMPONENTS = ("tables", "gate", "head", "attention", "gdn", "mlp", "moe", "attnres", "norms")
@@ -104,42 +105,6 @@ def _pattern_counts(cfg_model) -> dict[str, int]:
     return {kind: repeats * pattern.count(kind) for kind in ("attention", "gdn")}
 
 
-def gdn_recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token of one GDN layer's chunked gated delta rule
-    (`gdn.chunked_gated_delta_rule`), all heads; C = chunk, N = ceil(T/C) chunks, T padded
-    to N·C (the padded steps cost as much as real ones, hence the factor N·C/T):
-
-        intra  = N·C/T · H · (2C·dk [K Kᵀ] + 2C·dk [Q Kᵀ] + 2C·dv [(QKᵀ∘decay) U])
-        solve  = N·C/T · H · (2P(P²−1)/(3C) + 2C(dk+dv))
-                 [T = (I+A)⁻¹ by blocked inversion (P = C rounded up to a power of two:
-                  matmuls of s×s blocks, s = 1, 2, …, P/2), then T [βV, βe^γK]]
-        state  = N·C/T · H · 2·dk·dv · (2 + (N−1)/N)
-                 [u = U − W S₀ and the readout e^γ Q S₀ each chunk; the write S += Kᵀu for
-                  all but the last chunk, whose state is unused in training and dead code]
-
-    The C×C products are full squares, as computed (cf. attention's T×T). Elementwise
-    decay/mask work is not counted."""
-    G = cfg_model.gdn
-    H, dk, dv, C = G.n_heads, G.head_dim_k, G.head_dim_v, int(G.chunk)
-    N = -(-seq_len // C)
-    pad = N * C / seq_len
-    P = 1 << (C - 1).bit_length()
-    return {
-        "intra": pad * H * (4 * C * dk + 2 * C * dv),
-        "solve": pad * H * (2 * P * (P * P - 1) / (3 * C) + 2 * C * (dk + dv)),
-        "state": pad * H * 2 * dk * dv * (2 + (N - 1) / N),
-    }
-
-
-def attnres_sources(cfg_model) -> int:
-    """Sources summed over all AttnRes mixings of one token: sublayer s (0..2L−1) reads
-    1 + ceil(s/k) of them and the final AttnRes 1 + ceil(2L/k) (k = block size)."""
-    from onona_jax.models.attnres import n_sources
-
-    k, L = int(cfg_model.attnres.block_size), cfg_model.n_layers
-    return sum(n_sources(s, k) for s in range(2 * L + 1))
-
-
 def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3 × forward), counting matmuls (and
     dot products) only; `forward` and `train` are the totals, the other keys split the
@@ -154,10 +119,10 @@ def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
       (each component through the tied table), 1 otherwise — plus 2·d for a gate's dot.
     * `attention_scores`: 4·T·n_heads·head_dim per ATTENTION layer (QKᵀ and PV over the full
       T×T square, as PaLM counts it); GDN layers have none.
-    * `gdn_recurrence`: per GDN layer, `gdn_recurrence_flops` (intra-chunk, the blocked
+    * `gdn_recurrence`: per GDN layer, `models.gdn.recurrence_flops` (intra-chunk, the blocked
       triangular inverse and its product, the state terms ≈ 6·H·dk·dv per token).
     * `attnres`: 2·d per source per AttnRes mixing (the pseudo-query dot with each normed
-      source), summed over every sublayer and the final mixing (`attnres_sources`).
+      source), summed over every sublayer and the final mixing (`models.attnres.sources_per_token`).
     """
     m = cfg_model
     weights = matmul_weights(m)
@@ -167,20 +132,20 @@ def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
     head = 2 * (projections * m.vocab_size * m.d_model + weights["head"] + counts["gate"])
     layers = _pattern_counts(m)
     scores = 4 * seq_len * m.n_heads * m.head_dim * layers["attention"]
-    gdn = 0.0
+    gdn_cost = 0.0
     if layers["gdn"]:
-        gdn_parts = gdn_recurrence_flops(m, seq_len)
-        gdn = layers["gdn"] * sum(gdn_parts.values())
-    attnres = 2 * m.d_model * attnres_sources(m) if m.arch == "attnres" else 0
-    forward = body + head + scores + gdn + attnres
+        gdn_parts = gdn.recurrence_flops(m, seq_len)
+        gdn_cost = layers["gdn"] * sum(gdn_parts.values())
+    attnres_cost = 2 * m.d_model * attnres.sources_per_token(m) if m.arch == "attnres" else 0
+    forward = body + head + scores + gdn_cost + attnres_cost
     out = {
         "forward": float(forward),
         "train": float(3 * forward),
         "body_matmul": float(body),
         "head": float(head),
         "attention_scores": float(scores),
-        "gdn_recurrence": float(gdn),
-        "attnres": float(attnres),
+        "gdn_recurrence": float(gdn_cost),
+        "attnres": float(attnres_cost),
     }
     if layers["gdn"]:
         out["gdn_solve"] = float(layers["gdn"] * gdn_parts["solve"])

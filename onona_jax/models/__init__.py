@@ -89,9 +89,11 @@ def eval_config(cfg_model):
 class Model(nnx.Module):
     """A decoder family's trunk plus one of the heads of SPEC §2."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, head=None):
+        """`head`: a head module in place of the config's (serving: `heads.NoHead`, when the
+        caller computes the input rows and the output from folded tables itself)."""
         self.dtype = DTYPES[cfg.dtype]
-        self.head = heads_lib.make_head(cfg)
+        self.head = heads_lib.make_head(cfg) if head is None else head
         self.trunk = family(cfg).trunk(cfg)
 
     def forward(self, tokens, positions=None, x0=None):
@@ -173,9 +175,9 @@ class Model(nnx.Module):
 # ----------------------------------------------------------------------------- functional API
 
 
-def abstract(cfg):
+def abstract(cfg, head=None):
     """(graphdef, abstract state) of `Model(cfg)`: shapes and metadata only, no allocation."""
-    return params_lib.abstract_state(lambda: Model(cfg))
+    return params_lib.abstract_state(lambda: Model(cfg, head() if head is not None else None))
 
 
 def placed(cfg, mesh):

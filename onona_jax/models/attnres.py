@@ -130,6 +130,13 @@ def config_problems(cfg_model) -> list[str]:
     return out
 
 
+def sources_per_token(cfg_model) -> int:
+    """Sources summed over all AttnRes mixings of one token: sublayer s (0..2L−1) reads
+    1 + ceil(s/k) of them and the final AttnRes 1 + ceil(2L/k) (k = block size)."""
+    k, L = int(cfg_model.attnres.block_size), cfg_model.n_layers
+    return sum(n_sources(s, k) for s in range(2 * L + 1))
+
+
 # ----------------------------------------------------------------------------- modules
 
 

@@ -184,6 +184,34 @@ def l2_normalize(x, eps=L2_EPS):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of one GDN layer's chunked gated delta rule
+    (`chunked_gated_delta_rule`), all heads; C = chunk, N = ceil(T/C) chunks, T padded
+    to N·C (the padded steps cost as much as real ones, hence the factor N·C/T):
+
+        intra  = N·C/T · H · (2C·dk [K Kᵀ] + 2C·dk [Q Kᵀ] + 2C·dv [(QKᵀ∘decay) U])
+        solve  = N·C/T · H · (2P(P²−1)/(3C) + 2C(dk+dv))
+                 [T = (I+A)⁻¹ by blocked inversion (P = C rounded up to a power of two:
+                  matmuls of s×s blocks, s = 1, 2, …, P/2), then T [βV, βe^γK]]
+        state  = N·C/T · H · 2·dk·dv · (2 + (N−1)/N)
+                 [u = U − W S₀ and the readout e^γ Q S₀ each chunk; the write S += Kᵀu for
+                  all but the last chunk, whose state is unused in training and dead code]
+
+    The C×C products are full squares, as computed (cf. attention's T×T). Elementwise
+    decay/mask work is not counted."""
+    G = cfg_model.gdn
+    H, dk, dv, C = G.n_heads, G.head_dim_k, G.head_dim_v, int(G.chunk)
+    N = -(-seq_len // C)
+    pad = N * C / seq_len
+    P = 1 << (C - 1).bit_length()
+    return {
+        "intra": pad * H * (4 * C * dk + 2 * C * dv),
+        "solve": pad * H * (2 * P * (P * P - 1) / (3 * C) + 2 * C * (dk + dv)),
+        "state": pad * H * 2 * dk * dv * (2 + (N - 1) / N),
+    }
+
+
+
 class GatedDeltaNet(nnx.Module):
     """The GDN token mixer of SPEC §3.
 

@@ -41,8 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import nnx
+
 from onona_jax import heads as heads_lib
 from onona_jax import models as model_lib
+from onona_jax import params as params_lib
 
 DEFAULT_MAX_LEN = 1024
 MAX_BRANCHES = 64
@@ -146,42 +149,61 @@ def _bucket(n: int, lo: int) -> int:
 # ----------------------------------------------------------------------------- the server
 
 
+def foldable(cfg_model) -> bool:
+    """Whether the head has a serving fold (`Head.fold`)."""
+    return heads_lib.head_class(cfg_model.head).fold is not heads_lib.Head.fold
+
+
+def fold(cfg_model, head_params) -> dict:
+    """The head's serving tensors from its parameters: the input table (in the compute
+    dtype, which is all the trunk reads of it), the output tables (compute dtype), and for a
+    gated head the gate logit z [V] and probability g [V] (fp32)."""
+    dtype = model_lib.DTYPES[cfg_model.dtype]
+    graphdef, _ = params_lib.abstract_state(lambda: heads_lib.make_head(cfg_model))
+
+    def impl(p):
+        f = nnx.merge(graphdef, p).fold()
+        out = {"input": f.input.astype(dtype), "outputs": tuple(t.astype(dtype) for t in f.outputs)}
+        if f.gate_logit is not None:
+            out.update(z=f.gate_logit, g=jax.nn.sigmoid(f.gate_logit))
+        return out
+
+    return jax.jit(impl)(head_params)
+
+
 class Server:
     """A model ready to serve: folded tables, precomputed gate, jitted scoring and decoding.
 
     `cfg` is a full config (with `.model`) or a model config; `params` the pure parameter
-    dict (fp32, as trained). `max_len` bounds prompt + generated tokens (default: the
-    config's `data.seq_len`, else 1024)."""
+    dict (fp32, as trained), or for a foldable head (`foldable`) {"trunk": ...} with the
+    head's `fold(cfg, head params)` as `folded`: then the unfolded tables are never held
+    (`from_workdir` restores the head, folds it, lets it go, then restores the trunk).
+    `max_len` bounds prompt + generated tokens (default: the config's `data.seq_len`, else
+    1024)."""
 
-    def __init__(self, cfg, params, *, max_len: int | None = None):
+    def __init__(self, cfg, params, *, max_len: int | None = None, folded: dict | None = None):
         full = cfg if "model" in cfg else None
         m = model_lib.eval_config(full.model if full is not None else cfg)
         self.cfg = m
         if max_len is None:
             max_len = full.data.seq_len if full is not None and "data" in full else DEFAULT_MAX_LEN
         self.max_len = int(max_len)
-        self.graphdef, _ = model_lib.abstract(m)
         self.vocab_size = int(m.vocab_size)
         self.dtype = model_lib.DTYPES[m.dtype]
         self.step = None
         self.last_stats: dict = {}
-        head_cls = heads_lib.head_class(m.head)
-        # The head's serving form (`Head.fold`), computed once; None for heads whose output
-        # needs more than a lookup and one projection per table (MoS), served by log_probs.
-        self.score = head_cls.score
-        graphdef = self.graphdef
-
-        def fold(p):
-            f = model_lib.bind(graphdef, p).head.fold()
-            if f is None:
-                return None
-            out = {"input": f.input, "outputs": tuple(t.astype(self.dtype) for t in f.outputs)}
-            if f.gate_logit is not None:
-                out.update(z=f.gate_logit, g=jax.nn.sigmoid(f.gate_logit))
-            return out
-
-        folded = jax.jit(fold)(params) if head_cls.fold is not heads_lib.Head.fold else None
-        self.folded = folded is not None
+        self.score = heads_lib.head_class(m.head).score
+        # The head's serving form (`Head.fold`), computed once; heads whose output needs more
+        # than a lookup and one projection per table (MoS) keep their parameters and are
+        # served by `log_probs`.
+        self.folded = foldable(m)
+        if self.folded:
+            if folded is None:
+                folded = fold(m, params["head"])
+            params = {"trunk": params["trunk"], "head": {}}
+            self.graphdef, _ = model_lib.abstract(m, head=heads_lib.NoHead)
+        else:
+            self.graphdef, _ = model_lib.abstract(m)
         # two output tables and a gate over the input token: one-projection sampling is exact
         self.twin = self.folded and "z" in folded
         self.tables = {"params": params, **(folded or {})}
@@ -191,11 +213,19 @@ class Server:
     @classmethod
     def from_workdir(cls, workdir: str, step: int | None = None, *, max_len: int | None = None, device=None):
         """The latest (or `step`'s) checkpoint of a training run, on one device."""
-        from onona_jax.checkpoint import restore_params
+        from onona_jax.checkpoint import restore_params, saved_config
 
         devices = [device if device is not None else jax.devices()[0]]
-        params, step, cfg, _ = restore_params(workdir, step, mesh=(1, 1, 1), devices=devices)
-        server = cls(cfg, params, max_len=max_len)
+        where = dict(mesh=(1, 1, 1), devices=devices)
+        if not foldable(saved_config(workdir, step).model):
+            params, step, cfg, _ = restore_params(workdir, step, **where)
+            server = cls(cfg, params, max_len=max_len)
+        else:  # one part at a time: the head, folded and let go; then the trunk
+            head, step, cfg, _ = restore_params(workdir, step, parts=("head",), **where)
+            folded = fold(model_lib.eval_config(cfg.model), head["head"])
+            del head
+            trunk, step, cfg, _ = restore_params(workdir, step, parts=("trunk",), **where)
+            server = cls(cfg, trunk, max_len=max_len, folded=folded)
         server.step = step
         return server
 
