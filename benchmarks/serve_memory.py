@@ -4,7 +4,8 @@
 
 Without --workdir it writes a checkpoint of a freshly initialised model (parameters, AdamW
 moments and step, as train.py saves them) into a temporary directory. Then, in a fresh
-process, it measures the resident memory after jax is up (the baseline), restores a server
+process, it measures the resident memory after jax and Orbax are loaded (the baseline),
+restores a server
 with `Server.from_workdir` (parameters only, the head folded before the trunk is read), and
 reads the process's peak resident memory (VmHWM). On CPU the device memory is this memory.
 Reported: peak − baseline, what the server holds afterwards, and both over the parameter
@@ -31,6 +32,7 @@ def rss(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 import jax, jax.numpy as jnp
+import onona_jax.checkpoint  # code (Orbax, TensorStore) loaded before the baseline
 from onona_jax.serve.server import Server
 jnp.zeros(8).block_until_ready()
 base = rss("VmRSS:")

@@ -18,6 +18,7 @@ import time
 import warnings
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -64,13 +65,16 @@ class Checkpoints:
         )
         return out["state"], out["data"], out["config"]
 
-    def restore_params(self, step: int, abstract_params):
+    def restore_params(self, step: int, abstract_params, via_host: bool = False):
         """Only the parameters of the train state at `step`, placed as `abstract_params`'s
-        shardings say (ShapeDtypeStructs with shardings): the optimizer moments stay on disk."""
-        restore_args = jax.tree.map(
-            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
-            abstract_params,
-        )
+        shardings say (ShapeDtypeStructs with shardings): the optimizer moments stay on disk.
+        `via_host` (one device): read host arrays and place them one at a time, so the read
+        never holds a second copy of more than one array (Orbax places all at once)."""
+        if via_host:
+            arg = lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype)  # noqa: E731
+        else:
+            arg = lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)  # noqa: E731
+        restore_args = jax.tree.map(arg, abstract_params)
         out = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -80,7 +84,15 @@ class Checkpoints:
                 ),
             ),
         )
-        return out["state"]["params"]
+        params = out["state"]["params"]
+        if via_host:
+            flat, treedef = jax.tree.flatten(params)
+            shardings = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, abstract_params))
+            del params, out
+            for i, sharding in enumerate(shardings):
+                flat[i] = jax.device_put(flat[i], sharding)  # the host copy goes with the slot
+            params = jax.tree.unflatten(treedef, flat)
+        return params
 
     def restore_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
@@ -130,11 +142,13 @@ def saved_config(workdir: str, step: int | None = None):
     return ml_collections.ConfigDict(ckpts.restore_config(use))
 
 
-def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, parts=None):
+def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, parts=None,
+                   via_host: bool = False):
     """(params, step, cfg, mesh) of a run's checkpoint (the latest readable one unless `step`),
     the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` whatever mesh
     trained them. `parts` (e.g. ("head",)) restores only those top-level parts of the tree,
-    so a caller can hold one part at a time (serving folds the head before the trunk)."""
+    so a caller can hold one part at a time (serving folds the head before the trunk);
+    `via_host` places them one array at a time (`Checkpoints.restore_params`)."""
     from onona_jax import models, sharding
     from onona_jax.config import validate
 
@@ -144,6 +158,6 @@ def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devic
     abstract = models.placed(cfg.model, grid)
     if parts is not None:
         abstract = {k: abstract[k] for k in parts}
-    restored = ckpts.restore_latest(None, step, read=lambda s: (ckpts.restore_params(s, abstract),))
+    restored = ckpts.restore_latest(None, step, read=lambda s: (ckpts.restore_params(s, abstract, via_host),))
     step, params = restored
     return params, step, cfg, grid

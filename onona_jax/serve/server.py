@@ -35,6 +35,7 @@ single decoding token never overflows).
 
 from __future__ import annotations
 
+import gc
 import time
 
 import jax
@@ -154,19 +155,32 @@ def foldable(cfg_model) -> bool:
     return heads_lib.head_class(cfg_model.head).fold is not heads_lib.Head.fold
 
 
-def fold(cfg_model, head_params) -> dict:
+def fold(cfg_model, head_params, max_rows: int = 8192) -> dict:
     """The head's serving tensors from its parameters: the input table (in the compute
     dtype, which is all the trunk reads of it), the output tables (compute dtype), and for a
-    gated head the gate logit z [V] and probability g [V] (fp32)."""
+    gated head the gate logit z [V] and probability g [V] (fp32).
+
+    `Head.fold` is row-wise in the vocabulary, so it runs on blocks of at most `max_rows`
+    rows (a divisor of V) in a loop: its fp32 temporaries (M, rmsnorm(M)) exist for one
+    block at a time, and the outputs are the blocks laid end to end (a free reshape)."""
     dtype = model_lib.DTYPES[cfg_model.dtype]
     graphdef, _ = params_lib.abstract_state(lambda: heads_lib.make_head(cfg_model))
+    V = int(cfg_model.vocab_size)
+    n = next((k for k in range(1, V + 1) if V % k == 0 and V // k <= max_rows), 1)
+    is_table = lambda x: x.ndim == 2 and x.shape[0] == V  # noqa: E731
 
-    def impl(p):
+    def one(p):
         f = nnx.merge(graphdef, p).fold()
         out = {"input": f.input.astype(dtype), "outputs": tuple(t.astype(dtype) for t in f.outputs)}
         if f.gate_logit is not None:
             out.update(z=f.gate_logit, g=jax.nn.sigmoid(f.gate_logit))
         return out
+
+    def impl(p):
+        blocks = {k: v.reshape(n, V // n, *v.shape[1:]) for k, v in p.items() if is_table(v)}
+        shared = {k: v for k, v in p.items() if not is_table(v)}
+        out = jax.lax.map(lambda b: one({**shared, **b}), blocks)
+        return jax.tree.map(lambda x: x.reshape(V, *x.shape[2:]), out)
 
     return jax.jit(impl)(head_params)
 
@@ -216,14 +230,15 @@ class Server:
         from onona_jax.checkpoint import restore_params, saved_config
 
         devices = [device if device is not None else jax.devices()[0]]
-        where = dict(mesh=(1, 1, 1), devices=devices)
+        where = dict(mesh=(1, 1, 1), devices=devices, via_host=True)
         if not foldable(saved_config(workdir, step).model):
             params, step, cfg, _ = restore_params(workdir, step, **where)
             server = cls(cfg, params, max_len=max_len)
         else:  # one part at a time: the head, folded and let go; then the trunk
             head, step, cfg, _ = restore_params(workdir, step, parts=("head",), **where)
-            folded = fold(model_lib.eval_config(cfg.model), head["head"])
-            del head
+            folded = jax.block_until_ready(fold(model_lib.eval_config(cfg.model), head["head"]))
+            del head  # (after the fold has run: dispatch is asynchronous)
+            gc.collect()  # the restore leaves reference cycles: free the tables before the trunk
             trunk, step, cfg, _ = restore_params(workdir, step, parts=("trunk",), **where)
             server = cls(cfg, trunk, max_len=max_len, folded=folded)
         server.step = step
