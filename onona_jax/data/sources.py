@@ -1,0 +1,270 @@
+"""Corpus readers for `prepare`: one document at a time, in a fixed order, from every supported format.
+
+A document is text (`str`) or, for pre-tokenized inputs (`tokens_column`), a 1-D array of GPT-2
+token ids. Formats, by file name:
+
+* `.txt`   documents separated by blank lines, surrounding whitespace stripped;
+* `.jsonl` one JSON object per line, the document in its `text_column` (or `tokens_column`) field;
+  both optionally compressed: `.xz`, `.gz`, `.bz2`, `.zst`;
+* `.parquet` the `text_column` (string) or `tokens_column` (list of integers) column, row order;
+* `.arrow` Arrow IPC (stream or file) with such a column, and directories written by
+  `datasets.Dataset.save_to_disk` (their `state.json` lists the `.arrow` files in order).
+
+Empty and whitespace-only text documents (and null rows) are skipped: they would only add a lone EOT.
+Every error is a ValueError naming the file (and line or row) and the fix.
+"""
+
+from __future__ import annotations
+
+import bz2
+import dataclasses
+import gzip
+import itertools
+import json
+import lzma
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
+
+_BATCH_ROWS = 8192  # rows per Arrow record batch read from parquet: bounds memory on huge row groups
+_ZSTD_MAX_WINDOW = 1 << 31  # accept long-distance-matching .zst files (zstd --long=31)
+
+
+def _zst_open(path, mode, **kw):
+    import zstandard  # only needed for .zst inputs
+
+    return zstandard.open(path, mode, dctx=zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW), **kw)
+
+
+_OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open, ".zst": _zst_open}
+_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+_STREAM_KINDS = ("txt", "jsonl")  # the only ones that may be compressed as a whole file
+SUPPORTED = (".txt or .jsonl (optionally compressed as .xz, .gz, .bz2 or .zst), .parquet, .arrow, "
+             "or a directory saved by datasets' save_to_disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    path: Path
+    kind: str  # txt | jsonl | parquet | arrow
+    comp: str = ""  # compression suffix of a txt/jsonl file, "" if none
+
+
+def _kind(path: Path) -> tuple[str, str] | None:
+    """(format, compression suffix) of a supported file name, else None."""
+    suffixes = [s.lower() for s in path.suffixes]
+    comp = suffixes.pop() if suffixes and suffixes[-1] in _OPENERS else ""
+    base = suffixes[-1] if suffixes else ""
+    kind = _KINDS.get(base)
+    if kind is None or (comp and kind not in _STREAM_KINDS):
+        return None
+    return kind, comp
+
+
+def _saved_dataset_files(d: Path) -> list[Path] | None:
+    """The .arrow files of a `save_to_disk` directory in dataset order, or None if `d` is not one."""
+    state = d / "state.json"
+    if (d / "dataset_dict.json").is_file():
+        splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(f"{d} is a DatasetDict (splits {splits}); pass one split's directory, e.g. {d / 'train'}")
+    if not state.is_file():
+        return None
+    try:
+        files = [d / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{state} is not a datasets state file ({e!r}); re-save the dataset with "
+                         "save_to_disk or pass its .arrow files directly") from None
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        raise ValueError(f"saved dataset {d} lists missing .arrow files {missing or '(none listed)'}; "
+                         "copy the directory completely")
+    return files
+
+
+def resolve_inputs(inputs: list[str]) -> list[Source]:
+    """Expand directories (sorted; a saved dataset in its own order) and validate every input path."""
+    sources: list[Source] = []
+    for raw in inputs:
+        p = Path(raw)
+        if not p.exists():
+            raise ValueError(f"input path does not exist: {raw}; pass an existing file or directory to --input")
+        if p.is_dir():
+            saved = _saved_dataset_files(p)
+            if saved is not None:
+                sources.extend(Source(f, "arrow") for f in saved)
+                continue
+            found = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith(".") and _kind(f))
+            if not found:
+                raise ValueError(f"input directory {raw} has no {SUPPORTED} files; add some or pass the files directly")
+            sources.extend(Source(f, *_kind(f)) for f in found)
+        elif _kind(p) is None:
+            raise ValueError(f"unknown file extension for input {raw}; supported: {SUPPORTED}")
+        else:
+            sources.append(Source(p, *_kind(p)))
+    if not sources:
+        raise ValueError("no input files given; pass --input PATH [PATH ...]")
+    return sources
+
+
+def check_mode(sources: list[Source], tokens_column: str | None) -> None:
+    """Text and pre-tokenized inputs do not mix: a .txt file holds no token ids."""
+    if tokens_column is not None:
+        txt = [str(s.path) for s in sources if s.kind == "txt"]
+        if txt:
+            raise ValueError(f"--tokens_column={tokens_column} reads pre-tokenized inputs, but {txt[0]} is a .txt "
+                             "file (text only); prepare text and token-id inputs in separate runs")
+
+
+def _check_ids(ids: np.ndarray, where: str) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= TOKENIZER_VOCAB):
+        bad = int(ids[(ids < 0) | (ids >= TOKENIZER_VOCAB)][0])
+        raise ValueError(f"{where}: token id {bad} is outside the GPT-2 vocabulary [0, {TOKENIZER_VOCAB}); "
+                         "--tokens_column must hold GPT-2 token ids")
+
+
+def end_with_one_eot(ids: np.ndarray) -> np.ndarray:
+    """`ids` with trailing EOTs removed and exactly one appended (uint16); empty if no token remains."""
+    n = len(ids)
+    while n and ids[n - 1] == EOT:
+        n -= 1
+    if n == 0:
+        return np.zeros(0, np.uint16)
+    out = np.empty(n + 1, np.uint16)
+    out[:n] = ids[:n]
+    out[n] = EOT
+    return out
+
+
+def iter_documents(src: Source | Path, text_column: str = "text", tokens_column: str | None = None
+                   ) -> Iterator[str | np.ndarray]:
+    """Documents of one input: `str` texts or, in tokens mode, uint16 id arrays ending in exactly one EOT
+    (ids checked against the vocabulary)."""
+    if isinstance(src, Path):
+        src = Source(src, *_kind(src))
+    if src.kind in _STREAM_KINDS:
+        yield from _iter_stream(src, text_column, tokens_column)
+    else:
+        yield from _iter_table(src, text_column, tokens_column)
+
+
+def _iter_stream(src: Source, text_column: str, tokens_column: str | None) -> Iterator[str | np.ndarray]:
+    path, field = src.path, tokens_column or text_column
+    example = f'{{"{field}": [464, 3290, ...]}}' if tokens_column else f'{{"{field}": "..."}}'
+    import zstandard  # for its error type; .zst inputs are opened by _zst_open
+
+    # Text mode with newline=None turns \r\n and \r into \n, so splitting is platform independent.
+    with _OPENERS.get(src.comp, open)(path, "rt", encoding="utf-8", newline=None) as f:
+        try:
+            if src.kind == "txt":
+                lines: list[str] = []
+                for line in f:
+                    if line.strip():
+                        lines.append(line)
+                    elif lines:
+                        yield "".join(lines).strip()
+                        lines = []
+                if lines:
+                    yield "".join(lines).strip()
+                return
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e}); each line of a .jsonl file must be "
+                                     f"one JSON object like {example}") from None
+                value = rec.get(field) if isinstance(rec, dict) else None
+                if tokens_column is None:
+                    if not isinstance(value, str):
+                        raise ValueError(f'{path}:{lineno}: JSONL line has no string "{field}" field; each line '
+                                         f"must be a JSON object like {example}")
+                    if value.strip():
+                        yield value
+                    continue
+                if not isinstance(value, list) or not all(type(t) is int for t in value):
+                    raise ValueError(f'{path}:{lineno}: JSONL line has no "{field}" list of integer token ids; '
+                                     f"each line must be a JSON object like {example}")
+                ids = np.array(value, np.int64)
+                _check_ids(ids, f"{path}:{lineno}")
+                doc = end_with_one_eot(ids)
+                if len(doc):
+                    yield doc
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not valid UTF-8 ({e}); convert it to UTF-8 first") from None
+        except (EOFError, lzma.LZMAError, OSError, zstandard.ZstdError) as e:
+            raise ValueError(f"cannot read {path} ({e}); check the file is not truncated or mislabelled") from None
+
+
+def _iter_table(src: Source, text_column: str, tokens_column: str | None) -> Iterator[str | np.ndarray]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, col = src.path, tokens_column or text_column
+    what = "parquet" if src.kind == "parquet" else "Arrow IPC"
+    try:
+        if src.kind == "parquet":
+            pf = pq.ParquetFile(path)
+            schema = pf.schema_arrow
+            batches = pf.iter_batches(batch_size=_BATCH_ROWS, columns=[col]) if col in schema.names else None
+        else:
+            source = pa.memory_map(str(path))
+            try:
+                reader = pa.ipc.open_stream(source)  # what datasets writes
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+            schema = reader.schema
+            batches = (reader if isinstance(reader, pa.ipc.RecordBatchStreamReader)
+                       else (reader.get_batch(i) for i in range(reader.num_record_batches)))
+        if col not in schema.names:
+            flag = "--tokens_column" if tokens_column else "--text_column"
+            raise ValueError(f"{path} has no column {col!r} (columns: {schema.names}); choose one with {flag}")
+        typ = schema.field(col).type
+        if tokens_column is None and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)
+                                          or pa.types.is_string_view(typ)):
+            raise ValueError(f"column {col!r} of {path} has type {typ}, not string; pass the text column with "
+                             "--text_column, or --tokens_column if it holds token ids")
+        if tokens_column is not None and not (
+                (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_integer(typ.value_type)):
+            raise ValueError(f"column {col!r} of {path} has type {typ}, not a list of integers; pass the column "
+                             "of token-id lists with --tokens_column")
+        row = 0
+        for batch in batches:
+            arr = batch.column(col) if isinstance(batch, pa.RecordBatch) else batch
+            if isinstance(arr, pa.ChunkedArray):
+                arr = arr.combine_chunks()
+            if tokens_column is None:
+                for text in arr.to_pylist():
+                    if text is not None and text.strip():
+                        yield text
+            else:
+                offsets = arr.offsets.to_numpy()
+                values = arr.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+                lo, hi = offsets[0], offsets[-1]
+                if hi > lo and (int(values[lo:hi].min()) < 0 or int(values[lo:hi].max()) >= TOKENIZER_VOCAB):
+                    for i in range(len(arr)):  # rare error path: find the row
+                        _check_ids(values[offsets[i]:offsets[i + 1]], f"{path}: row {row + i}")
+                for i in range(len(arr)):
+                    doc = end_with_one_eot(values[offsets[i]:offsets[i + 1]])
+                    if len(doc):
+                        yield doc
+            row += len(arr)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"cannot read {path} as {what} ({e}); check the file is complete and really {what}") from None
+
+
+def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(uint16 tokens of `texts`, each followed by one EOT; tokens per document): one task of a prepare
+    worker, single-threaded so that N workers use N cores."""
+    from onona_jax.tokenizer import get_tokenizer
+
+    enc = get_tokenizer()
+    ids = [enc.encode_ordinary(t) for t in texts]
+    lengths = np.fromiter((len(d) + 1 for d in ids), np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(x for d in ids for x in (d, (EOT,))), np.uint16,
+                       count=int(lengths.sum()))
+    return flat, lengths
