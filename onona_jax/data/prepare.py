@@ -340,7 +340,7 @@ def prepare(
         # Recorded only when used, so that manifests of plain text inputs are as before.
         if tokens_column is not None:
             manifest["tokens_column"] = tokens_column
-        elif text_column != "text":
+        elif text_column != "text" and any(s.kind != "txt" for s in sources):
             manifest["text_column"] = text_column
         if max_tokens is not None:
             manifest["max_tokens"] = max_tokens

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bz2
 import dataclasses
 import gzip
+import io
 import itertools
 import json
 import lzma
@@ -33,10 +34,53 @@ _BATCH_ROWS = 8192  # rows per Arrow record batch read from parquet: bounds memo
 _ZSTD_MAX_WINDOW = 1 << 31  # accept long-distance-matching .zst files (zstd --long=31)
 
 
-def _zst_open(path, mode, **kw):
-    import zstandard  # only needed for .zst inputs
+class _ZstdRaw(io.RawIOBase):
+    """Decompressed bytes of a .zst file (any number of frames) that raise EOFError when the file ends
+    mid-frame: zstandard's own reader returns a truncated file's data without complaint."""
 
-    return zstandard.open(path, mode, dctx=zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW), **kw)
+    def __init__(self, path):
+        import zstandard  # only needed for .zst inputs
+
+        self._f = open(path, "rb")
+        self._new = lambda: zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).decompressobj()
+        self._chunks = self._decompress()
+        self._buf = b""
+
+    def _decompress(self):
+        d, fed = self._new(), False
+        while data := self._f.read(1 << 20):
+            while data:
+                out = d.decompress(data)
+                fed = True
+                if out:
+                    yield out
+                if d.eof:  # next frame (or trailing bytes a new frame will reject)
+                    data, d, fed = d.unused_data, self._new(), False
+                else:
+                    data = b""
+        if fed and not d.eof:
+            raise EOFError("the file ends in the middle of a zstd frame (truncated)")
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while not self._buf:
+            self._buf = next(self._chunks, b"")
+            if not self._buf:
+                return 0
+        n = min(len(b), len(self._buf))
+        b[:n], self._buf = self._buf[:n], self._buf[n:]
+        return n
+
+    def close(self):
+        self._f.close()
+        super().close()
+
+
+def _zst_open(path, mode, **kw):
+    assert mode == "rt"
+    return io.TextIOWrapper(io.BufferedReader(_ZstdRaw(path), 1 << 20), **kw)
 
 
 _OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open, ".zst": _zst_open}
