@@ -22,7 +22,7 @@ import zstandard
 from test_data import make_docs, read_split, split_docs
 
 from onona_jax.data import storage, train_batches, validation_windows
-from onona_jax.data import prepare as prepare_mod
+from onona_jax.data import sources
 from onona_jax.data.pipeline import TokenStore
 from onona_jax.data.prepare import heldout_mask, main, prepare
 from onona_jax.tokenizer import EOT, bundled_corpus_path, encode
@@ -109,7 +109,7 @@ def test_every_format_gives_the_same_shards(reference, tmp_path):
         assert m.get("text_column") == (None if name == "txt.bz2" else "body")
 
 
-def test_pretokenized_inputs_are_used_as_they_are(reference, tmp_path):
+def test_pretokenized_inputs_are_used_as_they_are(reference, tmp_path, monkeypatch):
     ref, ref_m = reference
     ids = [encode(d) for d in DOCS]
     # Trailing EOTs in every shape: none, one, two; an all-EOT row is an empty document and skipped.
@@ -118,9 +118,11 @@ def test_pretokenized_inputs_are_used_as_they_are(reference, tmp_path):
     jl = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": s, "meta": i} for i, s in enumerate(seqs)])
     pqf = tmp_path / "t.parquet"
     pq.write_table(pa.table({"input_ids": pa.array(seqs, pa.list_(pa.int32()))}), pqf, row_group_size=6)
-    for path in (jl, pqf):
-        out = tmp_path / f"out-{path.suffix[1:]}"
-        m = prepare([str(path)], str(out), FRACTION, shard_tokens=150, seed=SEED, tokens_column="input_ids")
+    monkeypatch.setattr(sources, "_TABLE_ROWS", 4)  # Arrow slices within row groups, shipped to workers
+    for path, workers in ((jl, 1), (pqf, 1), (pqf, 2)):
+        out = tmp_path / f"out-{path.suffix[1:]}-{workers}"
+        m = prepare([str(path)], str(out), FRACTION, shard_tokens=150, seed=SEED, tokens_column="input_ids",
+                    workers=workers)
         assert m["splits"] == ref_m["splits"] and m["tokens_column"] == "input_ids"
         for split in ("train", "heldout"):
             assert np.array_equal(read_split(out, split), read_split(ref, split))
@@ -133,7 +135,7 @@ def test_pretokenized_inputs_are_used_as_they_are(reference, tmp_path):
 
 def test_workers_and_max_tokens_do_not_change_the_output(tmp_path, monkeypatch):
     (tmp_path / "c.txt").write_text("\n\n".join(make_docs(120, seed=9)))
-    monkeypatch.setattr(prepare_mod, "_BATCH_CHARS", 600)  # ~40 tasks, so results arrive out of order
+    monkeypatch.setattr(sources, "_BLOCK_BYTES", 600)  # ~40 tasks, many paragraphs cut across reads
     lengths = np.array([len(encode(d)) + 1 for d in make_docs(120, seed=9)])
     cap = int(lengths[:77].sum()) + 3  # mid-document: the cap keeps whole documents only
     runs = {}

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from onona_jax.data.sources import Source, check_mode, encode_batch, iter_documents, resolve_inputs
+from onona_jax.data.sources import Chunk, Source, check_mode, encode_chunk, iter_chunks, iter_documents, resolve_inputs
 from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB
 
 __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
@@ -42,8 +42,6 @@ __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main",
 
 FORMAT_VERSION = 1  # shards may carry "sha256"/"bytes" since 2026-12; readers of version 1 ignore them
 SPLITS = ("train", "heldout")
-_BATCH_CHARS = 1_000_000  # text per tokenising task: bounds memory, amortises the hand-off to a worker
-_BATCH_TOKENS = 4_000_000  # pre-tokenized ids per write
 
 
 def _doc_hash(seed: int, index: int) -> float:
@@ -176,30 +174,9 @@ def _new_partial(out: Path) -> tuple[Path, int]:
     return tmp, fd
 
 
-def _text_batches(sources: list[Source], text_column: str) -> Iterator[list[str]]:
-    batch, chars = [], 0
+def _chunks(sources: list[Source], text_column: str, tokens_column: str | None) -> Iterator[Chunk]:
     for src in sources:
-        for doc in iter_documents(src, text_column):
-            batch.append(doc)
-            chars += len(doc)
-            if chars >= _BATCH_CHARS:
-                yield batch
-                batch, chars = [], 0
-    if batch:
-        yield batch
-
-
-def _token_batches(sources: list[Source], tokens_column: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    docs, n = [], 0
-    for src in sources:
-        for doc in iter_documents(src, tokens_column=tokens_column):
-            docs.append(doc)
-            n += len(doc)
-            if n >= _BATCH_TOKENS:
-                yield np.concatenate(docs), np.array([len(d) for d in docs], np.int64)
-                docs, n = [], 0
-    if docs:
-        yield np.concatenate(docs), np.array([len(d) for d in docs], np.int64)
+        yield from iter_chunks(src, text_column, tokens_column)
 
 
 def _worker_init() -> None:
@@ -207,21 +184,18 @@ def _worker_init() -> None:
 
 
 def _encoded(sources, text_column, tokens_column, workers) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(tokens, tokens per document) batches in input order; text is tokenised by `workers` processes."""
-    if tokens_column is not None:
-        yield from _token_batches(sources, tokens_column)
-        return
-    batches = _text_batches(sources, text_column)
+    """(tokens, tokens per document) of each chunk in input order, decoded and tokenised by `workers` processes."""
+    chunks = _chunks(sources, text_column, tokens_column)
     if workers == 1:
-        yield from map(encode_batch, batches)
+        yield from map(encode_chunk, chunks)
         return
     # Results are taken in submission order, so the output does not depend on `workers`; at most
     # 2 tasks per worker are in flight, which bounds memory and keeps every worker busy.
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
     try:
         pending: collections.deque = collections.deque()
-        for batch in batches:
-            pending.append(pool.submit(encode_batch, batch))
+        for chunk in chunks:
+            pending.append(pool.submit(encode_chunk, chunk))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:

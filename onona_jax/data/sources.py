@@ -23,6 +23,7 @@ import io
 import itertools
 import json
 import lzma
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +31,6 @@ import numpy as np
 
 from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
 
-_BATCH_ROWS = 8192  # rows per Arrow record batch read from parquet: bounds memory on huge row groups
 _ZSTD_MAX_WINDOW = 1 << 31  # accept long-distance-matching .zst files (zstd --long=31)
 
 
@@ -78,9 +78,10 @@ class _ZstdRaw(io.RawIOBase):
         super().close()
 
 
-def _zst_open(path, mode, **kw):
-    assert mode == "rt"
-    return io.TextIOWrapper(io.BufferedReader(_ZstdRaw(path), 1 << 20), **kw)
+def _zst_open(path, mode="rb"):
+    if mode != "rb":
+        raise ValueError(f"mode {mode!r}: .zst inputs are read as bytes")
+    return io.BufferedReader(_ZstdRaw(path), 1 << 20)
 
 
 _OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open, ".zst": _zst_open}
@@ -182,78 +183,75 @@ def end_with_one_eot(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def iter_documents(src: Source | Path, text_column: str = "text", tokens_column: str | None = None
-                   ) -> Iterator[str | np.ndarray]:
-    """Documents of one input: `str` texts or, in tokens mode, uint16 id arrays ending in exactly one EOT
-    (ids checked against the vocabulary)."""
-    if isinstance(src, Path):
-        src = Source(src, *_kind(src))
-    if src.kind in _STREAM_KINDS:
-        yield from _iter_stream(src, text_column, tokens_column)
-    else:
-        yield from _iter_table(src, text_column, tokens_column)
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A piece of one input in input order: a unit of work that a worker process turns into documents.
+
+    The main process only cuts inputs into chunks (raw bytes ending at a line or paragraph boundary,
+    or an Arrow column slice); decoding, JSON parsing and tokenising happen in the workers, so the
+    main process is a byte pump that keeps many workers busy. Chunks do not depend on the number of
+    workers, hence neither does the output.
+    """
+
+    path: str
+    kind: str
+    first: int  # 1-based line number (txt/jsonl) or 0-based row (parquet/arrow) of the chunk's start
+    data: object  # bytes (txt/jsonl) or a pyarrow Array (parquet/arrow)
+    column: str  # the jsonl field or table column
+    tokens: bool  # pre-tokenized: `column` holds token-id lists
 
 
-def _iter_stream(src: Source, text_column: str, tokens_column: str | None) -> Iterator[str | np.ndarray]:
-    path, field = src.path, tokens_column or text_column
-    example = f'{{"{field}": [464, 3290, ...]}}' if tokens_column else f'{{"{field}": "..."}}'
+_BLOCK_BYTES = 1 << 20  # raw bytes per txt/jsonl chunk (about 250k tokens of English)
+_TABLE_ROWS = 1024  # rows per parquet/Arrow chunk
+# A blank line (ASCII whitespace only) ends a paragraph, so a .txt chunk may end right after one.
+_TXT_BREAK = re.compile(rb"(?:\r\n|\r|\n)[ \t\f\v]*(?:\r\n|\r|\n)")
+
+
+def _newlines(b: bytes) -> int:
+    """Lines ended in `b` under universal newlines (\\n, \\r\\n, \\r), as text mode counts them."""
+    return b.count(b"\n") + b.count(b"\r") - b.count(b"\r\n")
+
+
+def _stream_chunks(src: Source, column: str, tokens: bool) -> Iterator[Chunk]:
     import zstandard  # for its error type; .zst inputs are opened by _zst_open
 
-    # Text mode with newline=None turns \r\n and \r into \n, so splitting is platform independent.
-    with _OPENERS.get(src.comp, open)(path, "rt", encoding="utf-8", newline=None) as f:
-        try:
-            if src.kind == "txt":
-                lines: list[str] = []
-                for line in f:
-                    if line.strip():
-                        lines.append(line)
-                    elif lines:
-                        yield "".join(lines).strip()
-                        lines = []
-                if lines:
-                    yield "".join(lines).strip()
-                return
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+    lineno = 1
+    try:
+        with _OPENERS.get(src.comp, open)(src.path, "rb") as f:
+            pending = b""
+            while True:
+                data = f.read(_BLOCK_BYTES)
+                if not data:
+                    if pending:
+                        yield Chunk(str(src.path), src.kind, lineno, pending, column, tokens)
+                    return
+                buf, searched = pending + data, max(0, len(pending) - 8)
+                if src.kind == "jsonl":
+                    cut = buf.rfind(b"\n", searched) + 1
+                else:
+                    cut = 0
+                    for m in _TXT_BREAK.finditer(buf, searched):
+                        cut = m.end()
+                if cut == 0:  # no boundary yet: a long line or paragraph continues
+                    pending = buf
                     continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e}); each line of a .jsonl file must be "
-                                     f"one JSON object like {example}") from None
-                value = rec.get(field) if isinstance(rec, dict) else None
-                if tokens_column is None:
-                    if not isinstance(value, str):
-                        raise ValueError(f'{path}:{lineno}: JSONL line has no string "{field}" field; each line '
-                                         f"must be a JSON object like {example}")
-                    if value.strip():
-                        yield value
-                    continue
-                if not isinstance(value, list) or not all(type(t) is int for t in value):
-                    raise ValueError(f'{path}:{lineno}: JSONL line has no "{field}" list of integer token ids; '
-                                     f"each line must be a JSON object like {example}")
-                ids = np.array(value, np.int64)
-                _check_ids(ids, f"{path}:{lineno}")
-                doc = end_with_one_eot(ids)
-                if len(doc):
-                    yield doc
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not valid UTF-8 ({e}); convert it to UTF-8 first") from None
-        except (EOFError, lzma.LZMAError, OSError, zstandard.ZstdError) as e:
-            raise ValueError(f"cannot read {path} ({e}); check the file is not truncated or mislabelled") from None
+                yield Chunk(str(src.path), src.kind, lineno, buf[:cut], column, tokens)
+                lineno += _newlines(buf[:cut])
+                pending = buf[cut:]
+    except (EOFError, lzma.LZMAError, OSError, zstandard.ZstdError) as e:
+        raise ValueError(f"cannot read {src.path} ({e}); check the file is not truncated or mislabelled") from None
 
 
-def _iter_table(src: Source, text_column: str, tokens_column: str | None) -> Iterator[str | np.ndarray]:
+def _table_chunks(src: Source, column: str, tokens: bool) -> Iterator[Chunk]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path, col = src.path, tokens_column or text_column
-    what = "parquet" if src.kind == "parquet" else "Arrow IPC"
+    path, what = src.path, "parquet" if src.kind == "parquet" else "Arrow IPC"
     try:
         if src.kind == "parquet":
             pf = pq.ParquetFile(path)
             schema = pf.schema_arrow
-            batches = pf.iter_batches(batch_size=_BATCH_ROWS, columns=[col]) if col in schema.names else None
+            batches = pf.iter_batches(batch_size=_TABLE_ROWS, columns=[column]) if column in schema.names else None
         else:
             source = pa.memory_map(str(path))
             try:
@@ -264,50 +262,131 @@ def _iter_table(src: Source, text_column: str, tokens_column: str | None) -> Ite
             schema = reader.schema
             batches = (reader if isinstance(reader, pa.ipc.RecordBatchStreamReader)
                        else (reader.get_batch(i) for i in range(reader.num_record_batches)))
-        if col not in schema.names:
-            flag = "--tokens_column" if tokens_column else "--text_column"
-            raise ValueError(f"{path} has no column {col!r} (columns: {schema.names}); choose one with {flag}")
-        typ = schema.field(col).type
-        if tokens_column is None and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)
-                                          or pa.types.is_string_view(typ)):
-            raise ValueError(f"column {col!r} of {path} has type {typ}, not string; pass the text column with "
+        if column not in schema.names:
+            flag = "--tokens_column" if tokens else "--text_column"
+            raise ValueError(f"{path} has no column {column!r} (columns: {schema.names}); choose one with {flag}")
+        typ = schema.field(column).type
+        if not tokens and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)
+                               or pa.types.is_string_view(typ)):
+            raise ValueError(f"column {column!r} of {path} has type {typ}, not string; pass the text column with "
                              "--text_column, or --tokens_column if it holds token ids")
-        if tokens_column is not None and not (
-                (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_integer(typ.value_type)):
-            raise ValueError(f"column {col!r} of {path} has type {typ}, not a list of integers; pass the column "
+        if tokens and not ((pa.types.is_list(typ) or pa.types.is_large_list(typ))
+                           and pa.types.is_integer(typ.value_type)):
+            raise ValueError(f"column {column!r} of {path} has type {typ}, not a list of integers; pass the column "
                              "of token-id lists with --tokens_column")
         row = 0
         for batch in batches:
-            arr = batch.column(col) if isinstance(batch, pa.RecordBatch) else batch
-            if isinstance(arr, pa.ChunkedArray):
-                arr = arr.combine_chunks()
-            if tokens_column is None:
-                for text in arr.to_pylist():
-                    if text is not None and text.strip():
-                        yield text
-            else:
-                offsets = arr.offsets.to_numpy()
-                values = arr.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-                lo, hi = offsets[0], offsets[-1]
-                if hi > lo and (int(values[lo:hi].min()) < 0 or int(values[lo:hi].max()) >= TOKENIZER_VOCAB):
-                    for i in range(len(arr)):  # rare error path: find the row
-                        _check_ids(values[offsets[i]:offsets[i + 1]], f"{path}: row {row + i}")
-                for i in range(len(arr)):
-                    doc = end_with_one_eot(values[offsets[i]:offsets[i + 1]])
-                    if len(doc):
-                        yield doc
+            arr = batch.column(column)
+            for lo in range(0, len(arr), _TABLE_ROWS):  # Arrow IPC batches may be large
+                part = arr.slice(lo, _TABLE_ROWS)
+                yield Chunk(str(path), src.kind, row + lo, part, column, tokens)
             row += len(arr)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"cannot read {path} as {what} ({e}); check the file is complete and really {what}") from None
 
 
-def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(uint16 tokens of `texts`, each followed by one EOT; tokens per document): one task of a prepare
-    worker, single-threaded so that N workers use N cores."""
+def iter_chunks(src: Source, text_column: str = "text", tokens_column: str | None = None) -> Iterator[Chunk]:
+    """Chunks of one input, in order; schema and container errors are raised here, in the main process."""
+    column, tokens = tokens_column or text_column, tokens_column is not None
+    if src.kind in _STREAM_KINDS:
+        return _stream_chunks(src, column, tokens)
+    return _table_chunks(src, column, tokens)
+
+
+def chunk_documents(chunk: Chunk) -> list:
+    """The documents of one chunk: `str` texts or, for token inputs, uint16 arrays ending in one EOT."""
+    if chunk.kind in _STREAM_KINDS:
+        return _line_documents(chunk)
+    return _table_documents(chunk)
+
+
+def _line_documents(c: Chunk) -> list:
+    try:
+        text = c.data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{c.path} is not valid UTF-8 (near line {c.first}: {e}); convert it to UTF-8 first") from None
+    # Universal newlines, as text mode reads them: \r\n and \r become \n.
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    docs: list = []
+    if c.kind == "txt":
+        para: list[str] = []
+        for line in lines:
+            if line.strip():
+                para.append(line)
+            elif para:
+                docs.append("\n".join(para).strip())
+                para = []
+        if para:
+            docs.append("\n".join(para).strip())
+        return docs
+    example = f'{{"{c.column}": [464, 3290, ...]}}' if c.tokens else f'{{"{c.column}": "..."}}'
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{c.path}:{c.first + i}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON ({e}); each line of a .jsonl file must be one JSON object "
+                             f"like {example}") from None
+        value = rec.get(c.column) if isinstance(rec, dict) else None
+        if not c.tokens:
+            if not isinstance(value, str):
+                raise ValueError(f'{where}: JSONL line has no string "{c.column}" field; each line must be a JSON '
+                                 f"object like {example}")
+            if value.strip():  # an empty document would only add a lone EOT
+                docs.append(value)
+            continue
+        if not isinstance(value, list) or not all(type(t) is int for t in value):
+            raise ValueError(f'{where}: JSONL line has no "{c.column}" list of integer token ids; each line must '
+                             f"be a JSON object like {example}")
+        ids = np.array(value, np.int64)
+        _check_ids(ids, where)
+        doc = end_with_one_eot(ids)
+        if len(doc):
+            docs.append(doc)
+    return docs
+
+
+def _table_documents(c: Chunk) -> list:
+    arr = c.data
+    if not c.tokens:
+        return [t for t in arr.to_pylist() if t is not None and t.strip()]
+    offsets = arr.offsets.to_numpy()  # of a slice: positions in the unsliced `values`
+    values = arr.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    lo, hi = offsets[0], offsets[-1]
+    if hi > lo and (int(values[lo:hi].min()) < 0 or int(values[lo:hi].max()) >= TOKENIZER_VOCAB):
+        for i in range(len(arr)):  # rare error path: find the row
+            _check_ids(values[offsets[i] : offsets[i + 1]], f"{c.path}: row {c.first + i}")
+    docs = []
+    for i in range(len(arr)):
+        doc = end_with_one_eot(values[offsets[i] : offsets[i + 1]])
+        if len(doc):
+            docs.append(doc)
+    return docs
+
+
+def iter_documents(src: Source | Path, text_column: str = "text", tokens_column: str | None = None
+                   ) -> Iterator[str | np.ndarray]:
+    """Documents of one input in order: `str` texts or, in tokens mode, uint16 id arrays ending in exactly
+    one EOT (ids checked against the vocabulary)."""
+    if isinstance(src, Path):
+        src = Source(src, *_kind(src))
+    for chunk in iter_chunks(src, text_column, tokens_column):
+        yield from chunk_documents(chunk)
+
+
+def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+    """(uint16 tokens of the chunk's documents, each followed by one EOT; tokens per document): one task
+    of a prepare worker, single-threaded so that N workers use N cores."""
+    docs = chunk_documents(chunk)
+    if chunk.tokens:
+        lengths = np.fromiter(map(len, docs), np.int64, count=len(docs))
+        return (np.concatenate(docs) if docs else np.zeros(0, np.uint16)), lengths
     from onona_jax.tokenizer import get_tokenizer
 
     enc = get_tokenizer()
-    ids = [enc.encode_ordinary(t) for t in texts]
+    ids = [enc.encode_ordinary(t) for t in docs]
     lengths = np.fromiter((len(d) + 1 for d in ids), np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(x for d in ids for x in (d, (EOT,))), np.uint16,
                        count=int(lengths.sum()))
