@@ -20,6 +20,7 @@ import argparse
 import collections
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -149,7 +150,7 @@ def remove_stale_partials(out: Path) -> list[Path]:
     taken (or, made before locks existed, whose PID is not running) is left over and is removed.
     """
     removed = []
-    for d in sorted(out.parent.glob(f"{out.name}.tmp-*")) if out.parent.is_dir() else []:
+    for d in sorted(out.parent.glob(f"{glob.escape(out.name)}.tmp-*")) if out.parent.is_dir() else []:
         lock = d / ".lock"
         if not d.is_dir():
             continue
