@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -22,6 +23,7 @@ import zstandard
 from test_data import make_docs, read_split, split_docs
 
 from onona_jax.data import storage, train_batches, validation_windows
+from onona_jax.data import prepare as prepare_mod
 from onona_jax.data import sources
 from onona_jax.data.pipeline import TokenStore
 from onona_jax.data.prepare import heldout_mask, main, prepare
@@ -146,6 +148,12 @@ def test_workers_and_max_tokens_do_not_change_the_output(tmp_path, monkeypatch):
                     max_tokens=max_tokens)
             runs[workers, max_tokens] = files_of(out)
     assert runs[1, None] == runs[2, None] and runs[1, cap] == runs[2, cap]
+    # Both ways of starting workers: fork where no other thread runs (the CLI), spawn elsewhere.
+    other = "spawn" if prepare_mod._start_method() == "fork" else "fork"
+    if other == "spawn" or threading.active_count() == 1:
+        monkeypatch.setattr(prepare_mod, "_start_method", lambda: other)
+        prepare([str(tmp_path / "c.txt")], str(tmp_path / other), 0.1, shard_tokens=500, workers=2)
+        assert files_of(tmp_path / other) == runs[1, None]
     m = json.loads(runs[2, cap]["manifest.json"])
     assert m["splits"]["train"]["tokens"] + m["splits"]["heldout"]["tokens"] == lengths[:77].sum()
     assert m["splits"]["train"]["documents"] + m["splits"]["heldout"]["documents"] == 77 and m["max_tokens"] == cap
@@ -269,6 +277,11 @@ def test_sigterm_leaves_nothing_and_rerun_completes(tmp_path):
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
         f"error: interrupted; {out} was not written (rerun the same command to start again)"]
     assert sorted(x.name for x in tmp_path.iterdir()) == ["big.txt"]
+    r = subprocess.run(cmd + ["--max_tokens", "300_000"], env=env, capture_output=True, text=True)  # capped: quick
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert 299_000 < m["splits"]["train"]["tokens"] + m["splits"]["heldout"]["tokens"] <= 300_000
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["big.txt", "out"]
 
 
 # ---------------------------------------------------------------- data dir in a bucket

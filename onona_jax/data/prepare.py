@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -36,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from onona_jax.data.sources import Chunk, Source, check_mode, encode_chunk, iter_chunks, iter_documents, resolve_inputs
-from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB
+from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB, get_tokenizer
 
 __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
            "sha256_file"]
@@ -184,25 +185,41 @@ def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and stops the pool
 
 
-def _encoded(sources, text_column, tokens_column, workers) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(tokens, tokens per document) of each chunk in input order, decoded and tokenised by `workers` processes."""
-    chunks = _chunks(sources, text_column, tokens_column)
+def _start_method() -> str:
+    # fork is nearly free (workers inherit the imported modules and the loaded tokenizer) but unsafe
+    # in a process running other threads (jax, grain, a caller's): there, spawn, whose workers import
+    # and load the tokenizer themselves (about a second each).
+    return "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
+
+
+def _start_pool(workers: int) -> ProcessPoolExecutor | None:
     if workers == 1:
+        return None
+    get_tokenizer()  # loaded once, before a fork
+    method = _start_method()
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
+    if method == "fork":  # fork them all now, before tqdm starts its monitor thread
+        for f in [pool.submit(int) for _ in range(workers)]:
+            f.result()
+    return pool
+
+
+def _encoded(sources, text_column, tokens_column, pool, workers) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, tokens per document) of each chunk in input order, decoded and tokenised in `pool`'s
+    worker processes, or in this one if `pool` is None."""
+    chunks = _chunks(sources, text_column, tokens_column)
+    if pool is None:
         yield from map(encode_chunk, chunks)
         return
-    # Results are taken in submission order, so the output does not depend on `workers`; at most
-    # 2 tasks per worker are in flight, which bounds memory and keeps every worker busy.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
-    try:
-        pending: collections.deque = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.submit(encode_chunk, chunk))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
-        while pending:
+    # Results are taken in submission order, so the output does not depend on the number of workers;
+    # at most 2 tasks per worker are in flight, which bounds memory and keeps every worker busy.
+    pending: collections.deque = collections.deque()
+    for chunk in chunks:
+        pending.append(pool.submit(encode_chunk, chunk))
+        if len(pending) >= 2 * workers:
             yield pending.popleft().result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    while pending:
+        yield pending.popleft().result()
 
 
 def _write_splits(tmp: Path, sources, is_heldout: Callable[[int], bool], shard_tokens, text_column,
@@ -211,28 +228,33 @@ def _write_splits(tmp: Path, sources, is_heldout: Callable[[int], bool], shard_t
     writers = {s: _ShardWriter(tmp, s, shard_tokens) for s in SPLITS}
     docs_per_split = dict.fromkeys(SPLITS, 0)
     index = total = 0
-    with tqdm(desc="tokenising", unit="tok", unit_scale=True, dynamic_ncols=True) as bar:
-        for flat, lengths in _encoded(sources, text_column, tokens_column, workers):
-            ends = np.cumsum(lengths)
-            if max_tokens is not None:  # whole documents only, in input order: the same cut for any `workers`
-                keep = int(np.searchsorted(ends, max_tokens - total, side="right"))
-                capped = keep < len(lengths)
-                lengths, ends = lengths[:keep], ends[:keep]
-            parts: dict[str, list] = {s: [] for s in SPLITS}
-            start = 0
-            for k, end in enumerate(ends.tolist()):
-                split = SPLITS[int(is_heldout(index + k))]
-                parts[split].append(flat[start:end])
-                docs_per_split[split] += 1
-                start = end
-            for split, p in parts.items():
-                if p:
-                    writers[split].write(np.concatenate(p))
-            index += len(lengths)
-            total += start
-            bar.update(start)
-            if max_tokens is not None and capped:
-                break
+    pool = _start_pool(workers)
+    try:
+        with tqdm(desc="tokenising", unit="tok", unit_scale=True, dynamic_ncols=True) as bar:
+            for flat, lengths in _encoded(sources, text_column, tokens_column, pool, workers):
+                ends = np.cumsum(lengths)
+                if max_tokens is not None:  # whole documents only, in input order: the same cut for any `workers`
+                    keep = int(np.searchsorted(ends, max_tokens - total, side="right"))
+                    capped = keep < len(lengths)
+                    lengths, ends = lengths[:keep], ends[:keep]
+                parts: dict[str, list] = {s: [] for s in SPLITS}
+                start = 0
+                for k, end in enumerate(ends.tolist()):
+                    split = SPLITS[int(is_heldout(index + k))]
+                    parts[split].append(flat[start:end])
+                    docs_per_split[split] += 1
+                    start = end
+                for split, p in parts.items():
+                    if p:
+                        writers[split].write(np.concatenate(p))
+                index += len(lengths)
+                total += start
+                bar.update(start)
+                if max_tokens is not None and capped:
+                    break
+    finally:
+        if pool is not None:  # also on errors and SIGTERM: running tasks finish, queued ones are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
     for w in writers.values():
         w.close()
     return writers, docs_per_split, index
