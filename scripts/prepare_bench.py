@@ -7,8 +7,9 @@ The corpus is the bundled Austen text repeated `--copies` times (about 1M tokens
 document per paragraph, written as `.jsonl` (or `.txt`/`.parquet`). Each round times one full
 prepare per worker count, in turn (paired rounds: load from other jobs on a shared machine hits
 every arm alike), including the start of the worker processes and the writing of the shards.
-Prints tokens/s per arm (median over rounds), each round's speed-up over the first arm, the load
-average before and after, and checks that every arm wrote bit-identical shards.
+Prints tokens/s per arm (median over rounds), each round's speed-up over the first arm, the CPU
+seconds of the main process and of the workers (how the work divides, whatever the load), the
+load average before and after, and checks that every arm wrote bit-identical shards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import lzma
 import os
 import re
+import resource
 import shutil
 import statistics
 import sys
@@ -56,6 +58,12 @@ def shards_digest(out: Path) -> str:
     return h.hexdigest()
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its finished (joined) worker processes."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--copies", type=int, default=4, help="copies of the bundled corpus (~1M tokens each)")
@@ -70,14 +78,16 @@ def main(argv=None) -> int:
     try:
         src = make_corpus(tmp, args.copies, args.format)
         rates: dict[int, list[float]] = {w: [] for w in args.workers}
+        cpu: dict[int, list[tuple[float, float]]] = {w: [] for w in args.workers}
         digests = set()
         tokens = 0
         for r in range(args.rounds):
             for w in args.workers:
                 out = tmp / f"out-{r}-{w}"
-                t0 = time.perf_counter()
+                t0, r0 = time.perf_counter(), _cpu()
                 m = prepare([str(src)], str(out), shard_tokens=50_000_000, workers=w)
-                dt = time.perf_counter() - t0
+                dt, r1 = time.perf_counter() - t0, _cpu()
+                cpu[w].append((r1[0] - r0[0], r1[1] - r0[1]))
                 tokens = m["splits"]["train"]["tokens"] + m["splits"]["heldout"]["tokens"]
                 rates[w].append(tokens / dt)
                 digests.add(shards_digest(out))
@@ -96,6 +106,8 @@ def main(argv=None) -> int:
         "rounds": args.rounds,
         "tokens_per_s_median": {w: statistics.median(v) for w, v in rates.items()},
         "speedup_per_round": {w: [a / b for a, b in zip(v, rates[base])] for w, v in rates.items()},
+        # CPU seconds (main process, workers) per run: how the work divides, independent of other load.
+        "cpu_s_main_workers": cpu,
         "load_before": load_before,
         "load_after": load_after,
         "bit_identical": len(digests) == 1,
@@ -104,7 +116,8 @@ def main(argv=None) -> int:
     for w in args.workers:
         sp = result["speedup_per_round"][w]
         print(f"workers={w}: {result['tokens_per_s_median'][w] / 1e6:.3f} M tokens/s (median); "
-              f"speed-up over workers={base} per round: {', '.join(f'{x:.2f}' for x in sp)}")
+              f"speed-up over workers={base} per round: {', '.join(f'{x:.2f}' for x in sp)}; CPU s (main, workers) "
+              f"per run: {', '.join(f'({a:.2f}, {b:.2f})' for a, b in cpu[w])}")
     print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     print(f"all arms wrote bit-identical shards: {result['bit_identical']}")
     if args.json:

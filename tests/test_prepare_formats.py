@@ -161,6 +161,36 @@ def test_workers_and_max_tokens_do_not_change_the_output(tmp_path, monkeypatch):
     assert full["splits"]["train"]["tokens"] + full["splits"]["heldout"]["tokens"] == lengths.sum()
 
 
+def test_chunk_cuts_do_not_change_documents_or_line_numbers(tmp_path, monkeypatch):
+    """Tiny chunks cut everywhere: documents equal a plain text-mode read (universal newlines)."""
+    rng = np.random.default_rng(0)
+    pieces = ["word", "two words", "  indented", "\u00a0", " \t ", "", "caf\u00e9 \u4e2d\u6587"]
+    newlines = ["\n", "\r\n", "\r"]
+    raw = "".join(pieces[i] + newlines[j] for i, j in zip(rng.integers(0, 7, 400), rng.integers(0, 3, 400)))
+    (tmp_path / "a.txt").write_bytes(raw.encode())
+    # The reference: the line loop prepare used before chunks, over Python's text mode.
+    ref, lines = [], []
+    with open(tmp_path / "a.txt", encoding="utf-8", newline=None) as f:
+        for line in f:
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                ref.append("".join(lines).strip())
+                lines = []
+    ref += ["".join(lines).strip()] if lines else []
+    assert len(ref) > 20
+    for block in (5, 64, 1 << 20):
+        monkeypatch.setattr(sources, "_BLOCK_BYTES", block)
+        assert list(sources.iter_documents(tmp_path / "a.txt")) == ref
+    # jsonl: the line number of a bad line counts \r\n, \r and \n as text mode does.
+    good = '{"text": "x"}'
+    (tmp_path / "b.jsonl").write_bytes(f"{good}\r\n{good}\r{good}\n\n{good}\r\n{{bad\n".encode())
+    for block in (3, 1 << 20):
+        monkeypatch.setattr(sources, "_BLOCK_BYTES", block)
+        with pytest.raises(ValueError, match=r"b\.jsonl:6: invalid JSON"):
+            list(sources.iter_documents(tmp_path / "b.jsonl"))
+
+
 # ---------------------------------------------------------------- bad inputs
 
 

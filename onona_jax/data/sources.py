@@ -1,7 +1,9 @@
-"""Corpus readers for `prepare`: one document at a time, in a fixed order, from every supported format.
+"""Corpus readers for `prepare`: every supported format, cut into chunks, read into documents in a fixed order.
 
-A document is text (`str`) or, for pre-tokenized inputs (`tokens_column`), a 1-D array of GPT-2
-token ids. Formats, by file name:
+`iter_chunks` (main process) cuts an input into `Chunk`s; `chunk_documents` (a worker) turns a
+chunk into documents; `encode_chunk` also tokenises them. A document is text (`str`) or, for
+pre-tokenized inputs (`tokens_column`), a uint16 array of GPT-2 token ids ending in exactly one
+EOT. Formats, by file name:
 
 * `.txt`   documents separated by blank lines, surrounding whitespace stripped;
 * `.jsonl` one JSON object per line, the document in its `text_column` (or `tokens_column`) field;
@@ -204,7 +206,8 @@ class Chunk:
 _BLOCK_BYTES = 1 << 20  # raw bytes per txt/jsonl chunk (about 250k tokens of English)
 _TABLE_ROWS = 1024  # rows per parquet/Arrow chunk
 # A blank line (ASCII whitespace only) ends a paragraph, so a .txt chunk may end right after one.
-_TXT_BREAK = re.compile(rb"(?:\r\n|\r|\n)[ \t\f\v]*(?:\r\n|\r|\n)")
+# (?!\n): the \r of a \r\n is not a newline of its own, else one CRLF would look like a blank line.
+_TXT_BREAK = re.compile(rb"(?:\r\n|\r(?!\n)|\n)[ \t\f\v]*(?:\r\n|\r(?!\n)|\n)")
 
 
 def _newlines(b: bytes) -> int:
