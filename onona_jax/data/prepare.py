@@ -183,13 +183,17 @@ def _chunks(sources: list[Source], text_column: str, tokens_column: str | None) 
 
 def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, inherited through fork
 
 
 def _start_method() -> str:
     # fork is nearly free (workers inherit the imported modules and the loaded tokenizer) but unsafe
     # in a process running other threads (jax, grain, a caller's): there, spawn, whose workers import
     # and load the tokenizer themselves (about a second each).
-    return "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
+    # tqdm's monitor thread (left by an earlier progress bar in this process) touches nothing a
+    # worker uses, so it does not count.
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and type(t).__name__ != "TMonitor"]
+    return "fork" if sys.platform == "linux" and not others else "spawn"
 
 
 def _start_pool(workers: int) -> ProcessPoolExecutor | None:
@@ -222,9 +226,12 @@ def _encoded(sources, text_column, tokens_column, pool, workers) -> Iterator[tup
         yield pending.popleft().result()
 
 
-def _write_splits(tmp: Path, sources, is_heldout: Callable[[int], bool], shard_tokens, text_column,
+def _write_splits(tmp: Path, sources, is_heldout: Callable[[int, int], np.ndarray], shard_tokens, text_column,
                   tokens_column, workers, max_tokens) -> tuple[dict, dict, int]:
-    """Tokenise into `tmp`; returns (writers, documents per split, documents written)."""
+    """Tokenise into `tmp`; returns (writers, documents per split, documents written).
+
+    `is_heldout(a, b)`: bool array, whether each of the documents a..b-1 (global index) is held out.
+    """
     writers = {s: _ShardWriter(tmp, s, shard_tokens) for s in SPLITS}
     docs_per_split = dict.fromkeys(SPLITS, 0)
     index = total = 0
@@ -237,19 +244,16 @@ def _write_splits(tmp: Path, sources, is_heldout: Callable[[int], bool], shard_t
                     keep = int(np.searchsorted(ends, max_tokens - total, side="right"))
                     capped = keep < len(lengths)
                     lengths, ends = lengths[:keep], ends[:keep]
-                parts: dict[str, list] = {s: [] for s in SPLITS}
-                start = 0
-                for k, end in enumerate(ends.tolist()):
-                    split = SPLITS[int(is_heldout(index + k))]
-                    parts[split].append(flat[start:end])
-                    docs_per_split[split] += 1
-                    start = end
-                for split, p in parts.items():
-                    if p:
-                        writers[split].write(np.concatenate(p))
+                n = int(ends[-1]) if len(ends) else 0  # tokens kept from this chunk
+                held = is_heldout(index, index + len(lengths))  # per document, then per token (vectorised)
+                docs_per_split["heldout"] += int(held.sum())
+                docs_per_split["train"] += len(lengths) - int(held.sum())
+                per_token = np.repeat(held, lengths)
+                writers["train"].write(flat[:n][~per_token])
+                writers["heldout"].write(flat[:n][per_token])
                 index += len(lengths)
-                total += start
-                bar.update(start)
+                total += n
+                bar.update(n)
                 if max_tokens is not None and capped:
                     break
     finally:
@@ -300,8 +304,10 @@ def prepare(
     tmp, lock_fd = _new_partial(out)
     try:
         args = (shard_tokens, text_column, tokens_column, workers, max_tokens)
-        writers, docs_per_split, num_docs = _write_splits(
-            tmp, sources, lambda i: _doc_hash(seed, i) < heldout_fraction, *args)
+        def hashed(a: int, b: int) -> np.ndarray:
+            return np.fromiter((_doc_hash(seed, i) for i in range(a, b)), np.float64, b - a) < heldout_fraction
+
+        writers, docs_per_split, num_docs = _write_splits(tmp, sources, hashed, *args)
         if num_docs == 0:
             raise ValueError(f"no documents found in {', '.join(str(s.path) for s in sources)} (empty or "
                              "whitespace-only text); check the --input files")
@@ -311,7 +317,7 @@ def prepare(
             for f in tmp.glob("*.bin"):
                 f.unlink()
             mask = heldout_mask(num_docs, heldout_fraction, seed)
-            writers, docs_per_split, num_docs = _write_splits(tmp, sources, lambda i: bool(mask[i]), *args)
+            writers, docs_per_split, num_docs = _write_splits(tmp, sources, lambda a, b: mask[a:b], *args)
         if heldout_fraction > 0 and 0 in docs_per_split.values():
             empty = "held-out" if docs_per_split["heldout"] == 0 else "train"
             raise ValueError(f"the {empty} split would be empty: the inputs hold only {num_docs} document(s)"
