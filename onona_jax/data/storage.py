@@ -17,6 +17,7 @@ cache is stale and loading stops with the command that clears it, instead of mix
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -137,6 +138,14 @@ def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[s
         tmp.write_bytes(raw)
         os.replace(tmp, cached_manifest)
 
+    # One process per host copies (the others of this host wait here, then find the shards in place).
+    with open(cache / ".fill.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _fill(cache, data_dir, manifest, splits)
+    return cache
+
+
+def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
     shards = [s for split in splits for s in manifest["splits"].get(split, {}).get("shards", []) if s["tokens"] > 0]
     missing = []
     for s in shards:
@@ -154,4 +163,3 @@ def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[s
     remote = _epath(data_dir)
     for s in missing:
         _copy_verified(remote / s["file"], cache / s["file"], s, data_dir, cache)
-    return cache
