@@ -20,6 +20,7 @@ import argparse
 import collections
 import errno
 import fcntl
+import gc
 import glob
 import hashlib
 import json
@@ -203,8 +204,12 @@ def _start_pool(workers: int) -> ProcessPoolExecutor | None:
     method = _start_method()
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
     if method == "fork":  # fork them all now, before tqdm starts its monitor thread
-        for f in [pool.submit(int) for _ in range(workers)]:
-            f.result()
+        gc.freeze()  # the children's collector then leaves the inherited objects (and their pages) alone
+        try:
+            for f in [pool.submit(int) for _ in range(workers)]:
+                f.result()
+        finally:
+            gc.unfreeze()
     return pool
 
 
