@@ -95,7 +95,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.peak_tflops = 0.0  # per device, for MFU; 0: look up from the device kind
 
     c.data = dt = ml_collections.ConfigDict()
-    dt.dir = ""  # prepared token shards; "" = the bundled corpus, prepared into the workdir
+    dt.dir = ""  # prepared token shards; "" = the bundled corpus, prepared into the workdir; may be gs://...
+    dt.cache_dir = ""  # local copy of a bucket data.dir's shards; "" = <system temp dir>/onona-data-cache
     dt.seq_len = 1024
     dt.seed = 0
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import grain
 import numpy as np
 
+from onona_jax.data import storage
 from onona_jax.data.prepare import FORMAT_VERSION, prepare
 from onona_jax.tokenizer import bundled_corpus_path
 
@@ -19,14 +19,19 @@ def _prepare_hint(data_dir: Path) -> str:
 
 
 class TokenStore:
-    """One split of a prepared data dir as a single read-only token stream over memory-mapped shards."""
+    """One split of a prepared data dir as a single read-only token stream over memory-mapped shards.
 
-    def __init__(self, data_dir: str | Path, split: str, vocab_size: int | None = None):
-        d = Path(data_dir)
+    `data_dir` may be a bucket URL (gs://...): the split's shards are then copied once into
+    `cache_dir` (default: storage.default_cache_dir()) and verified, see onona_jax/data/storage.py.
+    """
+
+    def __init__(self, data_dir: str | Path, split: str, vocab_size: int | None = None,
+                 cache_dir: str | None = None):
+        d = storage.local_data_dir(data_dir, (split,), cache_dir)
         manifest_path = d / "manifest.json"
         if not manifest_path.is_file():
             raise ValueError(f"no prepared data at {d} (missing {manifest_path}); {_prepare_hint(d)}")
-        manifest = json.loads(manifest_path.read_text())
+        manifest = storage.parse_manifest(manifest_path.read_bytes(), str(manifest_path), d)
         if manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != "uint16":
             raise ValueError(f"{manifest_path} has format_version={manifest.get('format_version')}, "
                              f"dtype={manifest.get('dtype')}; expected {FORMAT_VERSION}, uint16: {_prepare_hint(d)}")
@@ -149,6 +154,7 @@ def train_batches(
     read_threads: int = 1,
     prefetch: int = 2,
     vocab_size: int | None = None,
+    cache_dir: str | None = None,
 ) -> TrainIterator:
     """Endless iterator of np.int32 [global_batch // process_count, seq_len + 1] training batches.
 
@@ -163,7 +169,7 @@ def train_batches(
         raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-    source = WindowSource(TokenStore(data_dir, "train", vocab_size), seq_len)
+    source = WindowSource(TokenStore(data_dir, "train", vocab_size, cache_dir), seq_len)
     local = global_batch // process_count
     lo = process_index * local
 
@@ -188,9 +194,9 @@ def train_batches(
 
 
 def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int = 1234,
-                       vocab_size: int | None = None) -> np.ndarray:
+                       vocab_size: int | None = None, cache_dir: str | None = None) -> np.ndarray:
     """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order."""
-    store = TokenStore(data_dir, "heldout", vocab_size)
+    store = TokenStore(data_dir, "heldout", vocab_size, cache_dir)
     source = WindowSource(store, seq_len)
     if len(source) < count:
         raise ValueError(f"held-out split of {data_dir} has only {len(source)} windows of seq_len + 1 = "

@@ -1,105 +1,51 @@
-"""Tokenise text corpora into uint16 shards with a document-level held-out split.
+"""Tokenise corpora into uint16 shards with a document-level held-out split.
 
     python -m onona_jax.data.prepare --input PATH [PATH ...] --output DIR \
-        [--heldout_fraction 0.02] [--shard_tokens 50_000_000] [--seed 0] [--overwrite]
+        [--heldout_fraction 0.02] [--shard_tokens 50_000_000] [--seed 0] [--overwrite] \
+        [--text_column text] [--tokens_column COL] [--workers N] [--max_tokens N]
 
-Inputs: `.txt` files (documents separated by blank lines, surrounding whitespace stripped)
-and `.jsonl` files (one document per line, in its `text` field), optionally `.xz`/`.gz`/`.bz2`
-compressed; a directory means every such file directly inside it, sorted. Every document is
-followed by exactly one EOT. Output: `DIR/{train,heldout}_NNNNN.bin` (uint16), `DIR/manifest.json`.
+Inputs (see onona_jax/data/sources.py): `.txt` files (documents separated by blank lines),
+`.jsonl` files (one document per line, in its `--text_column` field), both optionally
+`.xz`/`.gz`/`.bz2`/`.zst` compressed; `.parquet` and `.arrow` files (the `--text_column` column)
+and directories saved by `datasets`; a directory means every such file directly inside it, sorted.
+With `--tokens_column` the inputs hold GPT-2 token-id lists (jsonl field or parquet/Arrow column)
+that are used as they are. Every document is followed by exactly one EOT. `--workers N` tokenises
+in N processes; the output does not depend on N. Output: `DIR/{train,heldout}_NNNNN.bin` (uint16)
+and `DIR/manifest.json` (with each shard's sha256), moved into place only when complete.
 """
 
 from __future__ import annotations
 
-import argparse
-import bz2
-import gzip
+import collections
+import errno
+import fcntl
+import gc
+import glob
 import hashlib
-import itertools
 import json
-import lzma
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from absl import flags
 from tqdm import tqdm
 
+from onona_jax import cli
+from onona_jax.data.sources import Chunk, Source, check_mode, encode_chunk, iter_chunks, iter_documents, resolve_inputs
 from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB, get_tokenizer
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
+           "sha256_file"]
+
+FORMAT_VERSION = 1  # shards may carry "sha256"/"bytes" since 2026-12; readers of version 1 ignore them
 SPLITS = ("train", "heldout")
-_OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
-_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
-_BATCH_CHARS = 1_000_000  # text per encode_ordinary_batch call: bounds memory, keeps threads busy
-
-
-def _kind(path: Path) -> tuple[str, str] | None:
-    """(format, compression suffix) of a supported file name, else None."""
-    suffixes = [s.lower() for s in path.suffixes]
-    comp = suffixes.pop() if suffixes and suffixes[-1] in _OPENERS else ""
-    base = suffixes[-1] if suffixes else ""
-    return (_KINDS[base], comp) if base in _KINDS else None
-
-
-def resolve_inputs(inputs: list[str]) -> list[Path]:
-    """Expand directories and validate every input path."""
-    supported = ".txt or .jsonl, optionally compressed as .xz, .gz or .bz2"
-    files: list[Path] = []
-    for raw in inputs:
-        p = Path(raw)
-        if not p.exists():
-            raise ValueError(f"input path does not exist: {raw}; pass an existing file or directory to --input")
-        if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith(".") and _kind(f))
-            if not found:
-                raise ValueError(f"input directory {raw} has no {supported} files; add some or pass the files directly")
-            files.extend(found)
-        elif _kind(p) is None:
-            raise ValueError(f"unknown file extension for input {raw}; supported: {supported}")
-        else:
-            files.append(p)
-    if not files:
-        raise ValueError("no input files given; pass --input PATH [PATH ...]")
-    return files
-
-
-def iter_documents(path: Path) -> Iterator[str]:
-    """Documents of one file: blank-line-separated paragraphs (.txt) or `text` fields (.jsonl)."""
-    kind, comp = _kind(path)
-    # Text mode with newline=None turns \r\n and \r into \n, so splitting is platform independent.
-    with _OPENERS.get(comp, open)(path, "rt", encoding="utf-8", newline=None) as f:
-        try:
-            if kind == "txt":
-                lines: list[str] = []
-                for line in f:
-                    if line.strip():
-                        lines.append(line)
-                    elif lines:
-                        yield "".join(lines).strip()
-                        lines = []
-                if lines:
-                    yield "".join(lines).strip()
-            else:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: invalid JSON ({e}); each line of a .jsonl file must be "
-                                         'one JSON object like {"text": "..."}') from None
-                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise ValueError(f'{path}:{lineno}: JSONL line has no string "text" field; each line must be '
-                                         'a JSON object like {"text": "..."}')
-                    if rec["text"].strip():  # an empty document would only add a lone EOT
-                        yield rec["text"]
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not valid UTF-8 ({e}); convert it to UTF-8 first") from None
-        except (EOFError, lzma.LZMAError, OSError) as e:
-            raise ValueError(f"cannot read {path} ({e}); check the file is not truncated or mislabelled") from None
 
 
 def _doc_hash(seed: int, index: int) -> float:
@@ -129,32 +75,199 @@ def sha256_file(path: str | Path) -> str:
 
 
 class _ShardWriter:
-    """Appends tokens to `{split}_NNNNN.bin` files of at most `shard_tokens` tokens each."""
+    """Appends tokens to `{split}_NNNNN.bin` files of at most `shard_tokens` tokens each, hashing as it goes."""
 
     def __init__(self, out_dir: Path, split: str, shard_tokens: int):
         self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
         self.shards: list[dict] = []
-        self._f = None
+        self._f = self._hash = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(sh["tokens"] for sh in self.shards)
 
     def write(self, tokens: np.ndarray) -> None:
         while tokens.size:
             if self._f is None or self.shards[-1]["tokens"] == self.shard_tokens:
                 self._open_next()
             n = min(tokens.size, self.shard_tokens - self.shards[-1]["tokens"])
-            self._f.write(tokens[:n].tobytes())
+            data = tokens[:n].astype("<u2", copy=False).tobytes()
+            self._f.write(data)
+            self._hash.update(data)
             self.shards[-1]["tokens"] += n
             tokens = tokens[n:]
 
-    def _open_next(self) -> None:
+    def _finish(self) -> None:
         if self._f is not None:
             self._f.close()
+            # The hash lets a copy (a bucket, a host's cache) be checked against what prepare wrote.
+            self.shards[-1].update(bytes=2 * self.shards[-1]["tokens"], sha256=self._hash.hexdigest())
+            self._f = None
+
+    def _open_next(self) -> None:
+        self._finish()
         name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._f = open(self.out_dir / name, "wb")
+        self._f, self._hash = open(self.out_dir / name, "wb"), hashlib.sha256()
         self.shards.append({"file": name, "tokens": 0})
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
+        self._finish()
+
+
+class _Interrupted(BaseException):
+    """SIGTERM, raised in the main thread so that the partial output is removed on the way out."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Interrupted()
+
+
+def _lock_is_free(lock_path: Path) -> bool:
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        return False  # being moved into place right now
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Delete `{out}.tmp-PID` directories of prepares that died (SIGKILL, power loss) before finishing.
+
+    A running prepare holds an exclusive flock on `.lock` inside its temp dir; a dir whose lock can be
+    taken (or, made before locks existed, whose PID is not running) is left over and is removed.
+    """
+    removed = []
+    for d in sorted(out.parent.glob(f"{glob.escape(out.name)}.tmp-*")) if out.parent.is_dir() else []:
+        lock = d / ".lock"
+        if not d.is_dir():
+            continue
+        if lock.exists():
+            stale = _lock_is_free(lock)
+        else:
+            pid = d.name.rsplit("-", 1)[-1]
+            stale = pid.isdigit() and not _pid_alive(int(pid))
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _new_partial(out: Path) -> tuple[Path, int]:
+    """A fresh, locked temp dir beside `out` (same filesystem, so the final rename is atomic)."""
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fd = os.open(tmp / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return tmp, fd
+
+
+def _chunks(sources: list[Source], text_column: str, tokens_column: str | None) -> Iterator[Chunk]:
+    for src in sources:
+        yield from iter_chunks(src, text_column, tokens_column)
+
+
+def _worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, inherited through fork
+
+
+def _start_method() -> str:
+    # fork is nearly free (workers inherit the imported modules and the loaded tokenizer) but unsafe
+    # in a process running other threads (jax, grain, a caller's): there, spawn, whose workers import
+    # and load the tokenizer themselves (about a second each).
+    # tqdm's monitor thread (left by an earlier progress bar in this process) touches nothing a
+    # worker uses, so it does not count.
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and type(t).__name__ != "TMonitor"]
+    return "fork" if sys.platform == "linux" and not others else "spawn"
+
+
+def _start_pool(workers: int) -> ProcessPoolExecutor | None:
+    if workers == 1:
+        return None
+    get_tokenizer()  # loaded once, before a fork
+    method = _start_method()
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
+    if method == "fork":  # fork them all now, before tqdm starts its monitor thread
+        gc.freeze()  # the children's collector then leaves the inherited objects (and their pages) alone
+        try:
+            for f in [pool.submit(int) for _ in range(workers)]:
+                f.result()
+        finally:
+            gc.unfreeze()
+    return pool
+
+
+def _encoded(sources, text_column, tokens_column, pool, workers) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, tokens per document) of each chunk in input order, decoded and tokenised in `pool`'s
+    worker processes, or in this one if `pool` is None."""
+    chunks = _chunks(sources, text_column, tokens_column)
+    if pool is None:
+        yield from map(encode_chunk, chunks)
+        return
+    # Results are taken in submission order, so the output does not depend on the number of workers;
+    # at most 2 tasks per worker are in flight, which bounds memory and keeps every worker busy.
+    pending: collections.deque = collections.deque()
+    for chunk in chunks:
+        pending.append(pool.submit(encode_chunk, chunk))
+        if len(pending) >= 2 * workers:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _write_splits(tmp: Path, sources, is_heldout: Callable[[int, int], np.ndarray], shard_tokens, text_column,
+                  tokens_column, workers, max_tokens) -> tuple[dict, dict, int]:
+    """Tokenise into `tmp`; returns (writers, documents per split, documents written).
+
+    `is_heldout(a, b)`: bool array, whether each of the documents a..b-1 (global index) is held out.
+    """
+    writers = {s: _ShardWriter(tmp, s, shard_tokens) for s in SPLITS}
+    docs_per_split = dict.fromkeys(SPLITS, 0)
+    index = total = 0
+    pool = _start_pool(workers)
+    try:
+        with tqdm(desc="tokenising", unit="tok", unit_scale=True, dynamic_ncols=True) as bar:
+            for flat, lengths in _encoded(sources, text_column, tokens_column, pool, workers):
+                ends = np.cumsum(lengths)
+                if max_tokens is not None:  # whole documents only, in input order: the same cut for any `workers`
+                    keep = int(np.searchsorted(ends, max_tokens - total, side="right"))
+                    capped = keep < len(lengths)
+                    lengths, ends = lengths[:keep], ends[:keep]
+                n = int(ends[-1]) if len(ends) else 0  # tokens kept from this chunk
+                held = is_heldout(index, index + len(lengths))  # per document, then per token (vectorised)
+                docs_per_split["heldout"] += int(held.sum())
+                docs_per_split["train"] += len(lengths) - int(held.sum())
+                per_token = np.repeat(held, lengths)
+                writers["train"].write(flat[:n][~per_token])
+                writers["heldout"].write(flat[:n][per_token])
+                index += len(lengths)
+                total += n
+                bar.update(n)
+                if max_tokens is not None and capped:
+                    break
+    finally:
+        if pool is not None:  # also on errors and SIGTERM: running tasks finish, queued ones are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
+    for w in writers.values():
+        w.close()
+    return writers, docs_per_split, index
 
 
 def prepare(
@@ -164,63 +277,58 @@ def prepare(
     shard_tokens: int = 50_000_000,
     seed: int = 0,
     overwrite: bool = False,
-    num_threads: int | None = None,
+    *,
+    text_column: str = "text",
+    tokens_column: str | None = None,
+    workers: int = 1,
+    max_tokens: int | None = None,
 ) -> dict:
     """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json)."""
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if not text_column or tokens_column == "":
+        raise ValueError("--text_column and --tokens_column must name a field or column")
     out = Path(output)
+    for d in remove_stale_partials(out):
+        print(f"removed {d}, the partial output of an interrupted prepare", file=sys.stderr)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ValueError(f"output {out} already exists and is not empty; choose another --output or pass --overwrite")
-    files = resolve_inputs(inputs)
+    sources = resolve_inputs(inputs)
+    check_mode(sources, tokens_column)
+    # Read the first document of every input before writing anything: a missing or mistyped column,
+    # a corrupt parquet footer or a wrong format fails here. (A fault deep inside a file fails later,
+    # and the partial output is removed.)
+    for src in sources:
+        next(iter_documents(src, text_column, tokens_column), None)
 
-    # Pass 1: count documents. This validates every input before the slow part, sizes the
-    # progress bar, and fixes the held-out set (whose non-emptiness guarantee needs the count).
-    num_docs = sum(1 for f in files for _ in iter_documents(f))
-    if num_docs == 0:
-        raise ValueError(f"no documents found in {', '.join(map(str, files))} (empty or whitespace-only text); "
-                         "check the --input files")
-    mask = heldout_mask(num_docs, heldout_fraction, seed)
-
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp, lock_fd = _new_partial(out)
     try:
-        enc = get_tokenizer()
-        threads = num_threads or min(8, os.cpu_count() or 1)
-        writers = {s: _ShardWriter(tmp, s, shard_tokens) for s in SPLITS}
-        docs_per_split = dict.fromkeys(SPLITS, 0)
+        args = (shard_tokens, text_column, tokens_column, workers, max_tokens)
+        def hashed(a: int, b: int) -> np.ndarray:
+            return np.fromiter((_doc_hash(seed, i) for i in range(a, b)), np.float64, b - a) < heldout_fraction
 
-        def flush(batch: list[str], first: int) -> None:
-            parts: dict[str, list] = {s: [] for s in SPLITS}
-            for k, ids in enumerate(enc.encode_ordinary_batch(batch, num_threads=threads)):
-                split = SPLITS[int(mask[first + k])]
-                parts[split] += (ids, (EOT,))
-                docs_per_split[split] += 1
-            for split, p in parts.items():
-                if p:
-                    writers[split].write(np.fromiter(itertools.chain.from_iterable(p), np.uint16))
-            bar.update(len(batch))
-
-        # Pass 2: tokenise in batches; document index is global across inputs, in input order.
-        with tqdm(total=num_docs, desc="tokenising", unit="doc", dynamic_ncols=True) as bar:
-            batch, chars, first, index = [], 0, 0, 0
-            for f in files:
-                for doc in iter_documents(f):
-                    batch.append(doc)
-                    chars += len(doc)
-                    index += 1
-                    if chars >= _BATCH_CHARS:
-                        flush(batch, first)
-                        batch, chars, first = [], 0, index
-            if batch:
-                flush(batch, first)
-        for w in writers.values():
-            w.close()
-        if index != num_docs:
-            raise ValueError(f"inputs changed while being read ({num_docs} then {index} documents); re-run prepare")
+        writers, docs_per_split, num_docs = _write_splits(tmp, sources, hashed, *args)
+        if num_docs == 0:
+            raise ValueError(f"no documents found in {', '.join(str(s.path) for s in sources)} (empty or "
+                             "whitespace-only text); check the --input files")
+        if heldout_fraction > 0 and num_docs >= 2 and 0 in docs_per_split.values():
+            # A tiny corpus whose hashes sent every document one way: redo it with the count-aware mask,
+            # which keeps both splits non-empty (the same output prepare has always made).
+            for f in tmp.glob("*.bin"):
+                f.unlink()
+            mask = heldout_mask(num_docs, heldout_fraction, seed)
+            writers, docs_per_split, num_docs = _write_splits(tmp, sources, lambda a, b: mask[a:b], *args)
+        if heldout_fraction > 0 and 0 in docs_per_split.values():
+            empty = "held-out" if docs_per_split["heldout"] == 0 else "train"
+            raise ValueError(f"the {empty} split would be empty: the inputs hold only {num_docs} document(s)"
+                             f"{' within --max_tokens' if max_tokens else ''}; give at least 2 documents, "
+                             "or --heldout_fraction 0 for no held-out split")
 
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -229,19 +337,24 @@ def prepare(
             "vocab": TOKENIZER_VOCAB,
             "dtype": "uint16",
             "splits": {
-                s: {
-                    "shards": writers[s].shards,
-                    "tokens": sum(sh["tokens"] for sh in writers[s].shards),
-                    "documents": docs_per_split[s],
-                }
+                s: {"shards": writers[s].shards, "tokens": writers[s].tokens, "documents": docs_per_split[s]}
                 for s in SPLITS
             },
-            "sources": [{"path": str(f.resolve()), "sha256": sha256_file(f), "bytes": f.stat().st_size} for f in files],
+            "sources": [{"path": str(s.path.resolve()), "sha256": sha256_file(s.path), "bytes": s.path.stat().st_size}
+                        for s in sources],
             "heldout_fraction": heldout_fraction,
             "seed": seed,
             "shard_tokens": shard_tokens,
         }
+        # Recorded only when used, so that manifests of plain text inputs are as before.
+        if tokens_column is not None:
+            manifest["tokens_column"] = tokens_column
+        elif text_column != "text" and any(s.kind != "txt" for s in sources):
+            manifest["text_column"] = text_column
+        if max_tokens is not None:
+            manifest["max_tokens"] = max_tokens
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / ".lock").unlink()  # our fd keeps the lock until the rename below is done
 
         # Swap into place: the output directory either is complete or does not exist.
         old = None
@@ -261,28 +374,66 @@ def prepare(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock_fd)
     return manifest
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m onona_jax.data.prepare", description=__doc__.split("\n")[0])
-    ap.add_argument("--input", nargs="+", required=True, help=".txt/.jsonl files (optionally .xz/.gz/.bz2) or dirs")
-    ap.add_argument("--output", required=True, help="output directory (must not exist or be empty)")
-    ap.add_argument("--heldout_fraction", type=float, default=0.02, help="fraction of documents held out")
-    ap.add_argument("--shard_tokens", type=lambda s: int(s.replace("_", "")), default=50_000_000)
-    ap.add_argument("--seed", type=int, default=0, help="seed of the held-out document split")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output directory")
-    args = ap.parse_args(argv)
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _count(text: str) -> int:
+    return int(str(text).replace("_", ""))
+
+
+def define(fv, argv):
+    flags.DEFINE_multi_string("input", [], ".txt/.jsonl (optionally .xz/.gz/.bz2/.zst), .parquet, .arrow files, "
+                              "or dirs; repeat the flag, or list more paths after the flags", flag_values=fv)
+    flags.DEFINE_string("output", None, "output directory (must not exist or be empty)", flag_values=fv,
+                        required=True)
+    flags.DEFINE_float("heldout_fraction", 0.02, "fraction of documents held out", flag_values=fv)
+    flags.DEFINE_string("shard_tokens", "50_000_000", "tokens per shard", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "seed of the held-out document split", flag_values=fv)
+    flags.DEFINE_bool("overwrite", False, "replace an existing non-empty output directory", flag_values=fv)
+    flags.DEFINE_string("text_column", "text", "jsonl field / parquet or Arrow column of the text", flag_values=fv)
+    flags.DEFINE_string("tokens_column", None, "field/column of GPT-2 token-id lists: inputs are pre-tokenized "
+                        "and used as they are", flag_values=fv)
+    flags.DEFINE_integer("workers", _cpus(), "tokenising processes (default: CPUs available)", flag_values=fv)
+    flags.DEFINE_string("max_tokens", None, "stop after this many tokens (whole documents, in input order)",
+                        flag_values=fv)
+
+
+def _main(fv, paths):
+    inputs = [*fv.input, *paths]
+    if not inputs:
+        raise cli.UsageError("give the inputs: --input PATH (repeatable) or paths after the flags")
     try:
-        m = prepare(args.input, args.output, args.heldout_fraction, args.shard_tokens, args.seed, args.overwrite)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        shard_tokens = _count(fv.shard_tokens)
+        max_tokens = None if fv.max_tokens is None else _count(fv.max_tokens)
+    except ValueError:
+        raise cli.UsageError(f"--shard_tokens={fv.shard_tokens} / --max_tokens={fv.max_tokens}: integers "
+                             "(underscores allowed)") from None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        m = prepare(inputs, fv.output, fv.heldout_fraction, shard_tokens, fv.seed, fv.overwrite,
+                    text_column=fv.text_column, tokens_column=fv.tokens_column, workers=fv.workers,
+                    max_tokens=max_tokens)
+    except OSError as e:
+        hint = "free space or choose another --output" if e.errno == errno.ENOSPC else "check the --output path"
+        raise cli.Failure(f"cannot write {fv.output} ({e}); {hint}; nothing was written") from None
+    except (_Interrupted, KeyboardInterrupt):
+        raise cli.Failure(f"interrupted; {fv.output} was not written (rerun the same command to start again)") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for s in SPLITS:
         sp = m["splits"][s]
         print(f"{s}: {sp['documents']:,} documents, {sp['tokens']:,} tokens in {len(sp['shards'])} shard(s)")
-    print(f"wrote {args.output}/manifest.json")
-    return 0
+    print(f"wrote {fv.output}/manifest.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(define, _main, argv, __doc__)
 
 
 if __name__ == "__main__":
