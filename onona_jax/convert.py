@@ -218,3 +218,45 @@ def gdn_to_hf(layer_params: Mapping, cfg_model) -> dict[str, np.ndarray]:
         "out_proj.weight": p["o"].reshape(H * dv, d).T,
     }
     return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}
+
+
+# ----------------------------------------------------------------------------- CLI: import
+
+
+def main(argv=None) -> int:
+    """python -m onona_jax.convert --from_hf=DIR --workdir=OUT [--mesh=-1,1,1]
+
+    A transformers folder (our export, or a Qwen3 / Qwen3-MoE checkpoint with a GPT-2-sized
+    vocabulary) -> a workdir checkpoint at step 0 with a fresh optimizer state
+    (`serve.hf_format.import_folder`)."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--from_hf", required=True, help="transformers model folder to import")
+    ap.add_argument("--workdir", required=True, help="run directory to write (must hold no checkpoints)")
+    ap.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes to place the state on")
+    args = ap.parse_args(argv)
+    from onona_jax.serve import hf_format
+
+    try:
+        mesh = tuple(int(x) for x in args.mesh.split(","))
+        summary = hf_format.import_folder(args.from_hf, args.workdir, mesh)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # unreadable folder, full disk: nothing is overwritten
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from onona_jax import platform
+
+    platform.initialize()
+    sys.exit(main())
