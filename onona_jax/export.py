@@ -2,12 +2,13 @@
 
     python -m onona_jax.export --workdir=DIR --output=OUT [--step=N] [--no_tokenizer] [--mesh=-1,1,1]
 
-Every family (dense, moe, gdn, attnres) with head standard or twin (`serve/hf_format.py`):
+Every family (dense, moe, gdn, attnres) with head standard, twin, untied or sigsoftmax
+(`serve/hf_format.py`):
 
-* Dense **standard** -> a plain `Qwen3ForCausalLM` folder, MoE **standard** -> a plain
-  `Qwen3MoeForCausalLM` folder (tied embeddings: the table is stored once as
-  `model.embed_tokens.weight`);
-* everything else (twin heads, GDN hybrid, AttnRes) -> `OnonaForCausalLM`: `config.json`
+* Dense **standard** / **untied** -> a plain `Qwen3ForCausalLM` folder, MoE **standard** /
+  **untied** -> a plain `Qwen3MoeForCausalLM` folder (standard: tied embeddings, the table
+  stored once as `model.embed_tokens.weight`);
+* everything else (twin and sigsoftmax heads, GDN hybrid, AttnRes) -> `OnonaForCausalLM`: `config.json`
   (model_type "onona", `auto_map` to `configuration_onona.py` and `modeling_onona.py`, which
   are copied into OUT and need transformers alone), the body under Qwen3 names, and for the
   twin head the folded tensors (M = (A+B)/2 as `model.embed_tokens.weight`, A, B, the gate's w

@@ -272,8 +272,9 @@ def test_twin_export_serves_the_same_log_probs(twin_run, tmp_path):
 
 def test_export_refuses_other_families_and_heads():
     paper = os.path.join(REPO, "configs", "paper.py")
-    for spec in ("dense-tiny-mos", "moe-tiny-untied", "gdn-tiny-input_gate", "attnres-tiny-sigsoftmax"):
-        with pytest.raises(ValueError, match="export supports families dense, moe, gdn, attnres with head standard or twin"):
+    for spec in ("dense-tiny-mos", "moe-tiny-moss", "gdn-tiny-input_gate", "attnres-tiny-twin_input_only"):
+        with pytest.raises(ValueError, match="export supports families dense, moe, gdn, attnres with head "
+                                             "standard, twin, untied, sigsoftmax"):
             export.check_exportable(config.load(f"{paper}:{spec}").model)
-    for spec in ("dense-tiny-twin", "moe-tiny-twin", "gdn-tiny-standard", "attnres-tiny-twin"):
+    for spec in ("dense-tiny-twin", "moe-tiny-untied", "gdn-tiny-standard", "attnres-tiny-sigsoftmax"):
         export.check_exportable(config.load(f"{paper}:{spec}").model)

@@ -1,7 +1,7 @@
 """The transformers export (`onona_jax.export`, `serve/hf/modeling_onona.py`) and import
 (`python -m onona_jax.convert --from_hf`), held to the JAX model.
 
-Each family × head: a tiny model with noisy parameters (logits of order one, so a misplaced
+Each family × head (standard, twin, untied, sigsoftmax): a tiny model with noisy parameters (logits of order one, so a misplaced
 weight shows) is exported, loaded with `AutoModelForCausalLM.from_pretrained(OUT,
 trust_remote_code=True)`, and must give the JAX model's log-probabilities (1e-4; fp32 on
 both sides, the differences are summation order), the same greedy continuations as
@@ -11,6 +11,7 @@ default suite runs dense-twin; the rest of the grid and lm-evaluation-harness ar
     python -m pytest -q -m '' tests/test_hf_export.py
 """
 
+import ast
 import json
 import os
 
@@ -29,7 +30,7 @@ from onona_jax.serve import hf_format  # noqa: E402
 from onona_jax.tokenizer import EOT  # noqa: E402
 
 FAMILIES = ["dense", "moe", "gdn", "attnres"]
-HEADS = ["standard", "twin"]
+HEADS = ["standard", "twin", "untied", "sigsoftmax"]
 DEFAULT = {("dense", "twin")}
 GRID = [pytest.param(a, h, id=f"{a}-{h}", marks=() if (a, h) in DEFAULT else pytest.mark.slow)
         for a in FAMILIES for h in HEADS]
@@ -76,11 +77,17 @@ def exported(request, tmp_path_factory):
 @pytest.mark.parametrize("arch,head", GRID)
 def test_transformers_matches_jax(arch, head, exported):
     e = exported(arch, head)
-    expected_class = {("dense", "standard"): "Qwen3ForCausalLM", ("moe", "standard"): "Qwen3MoeForCausalLM"}
-    assert type(e.hf).__name__ == expected_class.get((arch, head), "OnonaForCausalLM")
+    plain = {"dense": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM"}
+    expected = plain[arch] if arch in plain and head in ("standard", "untied") else "OnonaForCausalLM"
+    assert type(e.hf).__name__ == expected
     if type(e.hf).__name__ == "OnonaForCausalLM":  # the code travels with the folder
         assert {"configuration_onona.py", "modeling_onona.py"} <= set(os.listdir(e.out))
         assert json.load(open(os.path.join(e.out, "config.json")))["auto_map"] == hf_format.AUTO_MAP
+        for name in hf_format.CODE_FILES:  # transformers alone: no import of this package
+            tree = ast.parse(open(os.path.join(e.out, name)).read())
+            imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+            assert not [i for i in imported if i.startswith("onona")], (name, imported)
 
     # log-probabilities over two rows of 21 tokens
     tokens = np.random.default_rng(1).integers(0, 50257, (2, 21))
@@ -192,6 +199,25 @@ def test_lm_eval_hf_model_equals_our_tasks(exported, imported, monkeypatch):
     assert theirs["fixture_lambada_openai"]["sample_len"] == ours["lambada"]["samples"]
 
 
+@pytest.mark.slow
+def test_imported_standard_checkpoint_upcycles(exported, tmp_path):
+    """`train.py --config.init_from=<imported dense-standard workdir>`: the twin model starts
+    with A = B = the imported E and the imported body."""
+    from onona_jax import trainer
+
+    e = exported("dense", "standard")
+    workdir = str(tmp_path / "standard")
+    assert convert.main([f"--from_hf={e.out}", f"--workdir={workdir}"]) == 0
+    cfg = tiny_config(str(tmp_path / "no-data"), head="twin")
+    run = trainer.setup(cfg)
+    state = trainer.upcycle(run, trainer.init_state(run, 0), workdir)
+    params = jax.device_get(state["params"])
+    for table in ("A", "B"):
+        assert np.array_equal(params["head"][table], np.asarray(e.params["head"]["embedding"]))
+    for a, b in zip(jax.tree.leaves(params["trunk"]), jax.tree.leaves(e.params["trunk"])):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_import_refuses_what_it_cannot_represent(tmp_path, capsys):
     folder = tmp_path / "qwen3"
     folder.mkdir()
@@ -205,5 +231,6 @@ def test_import_refuses_what_it_cannot_represent(tmp_path, capsys):
     assert convert.main([f"--from_hf={folder}", f"--workdir={tmp_path / 'w'}"]) == 2
     assert "GPT-2-sized vocabulary" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
-    with pytest.raises(ValueError, match="export supports families dense, moe, gdn, attnres with head standard or twin"):
+    with pytest.raises(ValueError, match="export supports families dense, moe, gdn, attnres with head "
+                                         "standard, twin, untied, sigsoftmax"):
         hf_format.check_supported(tiny_config(str(tmp_path), head="mos").model)

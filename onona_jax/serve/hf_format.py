@@ -1,9 +1,10 @@
-"""Our parameter trees ⇄ HF transformers checkpoints, for every family and the standard and
-twin heads (numpy in between; torch and transformers are imported inside functions).
+"""Our parameter trees ⇄ HF transformers checkpoints, for every family and the heads
+standard, twin, untied and sigsoftmax (numpy in between; torch and transformers are imported inside functions).
 
 Names (all families share the body's; `model.layers.<i>.` prefixes the per-layer ones):
 
-    model.embed_tokens.weight            [V, d]  standard: E (tied, no lm_head.weight);
+    model.embed_tokens.weight            [V, d]  standard, sigsoftmax: E (tied, no lm_head.weight);
+                                                 untied: E, with W as lm_head.weight;
                                                  twin: M = (A+B)/2, the table the body reads
     model.norm.weight                    [d]
     input_layernorm.weight, post_attention_layernorm.weight            the two pre-norms
@@ -20,8 +21,8 @@ Names (all families share the body's; `model.layers.<i>.` prefixes the per-layer
 M and z are derived (folded once at export, as serving does); importing reads A, B and w, so
 JAX → HF → JAX is bit-exact. Every map is a transpose or reshape.
 
-Which class a folder loads as (`export_kind`): Dense + standard -> `Qwen3ForCausalLM`,
-MoE + standard -> `Qwen3MoeForCausalLM`, everything else in FAMILIES × HEADS ->
+Which class a folder loads as (`export_kind`): Dense + standard/untied -> `Qwen3ForCausalLM`,
+MoE + standard/untied -> `Qwen3MoeForCausalLM`, everything else in FAMILIES × HEADS ->
 `OnonaForCausalLM` from `serve/hf/modeling_onona.py`, copied into the folder (auto_map,
 trust_remote_code=True).
 """
@@ -38,9 +39,9 @@ import numpy as np
 from onona_jax import convert
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
-HEADS = ("standard", "twin")
-SUPPORTED = (f"families {', '.join(FAMILIES)} with head standard or twin (dense-standard as "
-             "Qwen3ForCausalLM, moe-standard as Qwen3MoeForCausalLM, the rest as OnonaForCausalLM)")
+HEADS = ("standard", "twin", "untied", "sigsoftmax")
+SUPPORTED = (f"families {', '.join(FAMILIES)} with head {', '.join(HEADS)} (dense and moe with "
+             "standard or untied as Qwen3ForCausalLM / Qwen3MoeForCausalLM, the rest as OnonaForCausalLM)")
 HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
 CODE_FILES = ("configuration_onona.py", "modeling_onona.py")
 AUTO_MAP = {"AutoConfig": "configuration_onona.OnonaConfig",
@@ -56,7 +57,7 @@ def check_supported(m) -> None:
 
 def export_kind(m) -> str:
     check_supported(m)
-    if m.head == "standard" and m.arch in ("dense", "moe"):
+    if m.head in ("standard", "untied") and m.arch in ("dense", "moe"):
         return {"dense": "qwen3", "moe": "qwen3_moe"}[m.arch]
     return "onona"
 
@@ -223,8 +224,10 @@ def to_hf(params, m) -> dict[str, np.ndarray]:
         out["model.final_attnres.query"] = convert._numpy(trunk["final_attnres"]["query"])
         out["model.final_attnres.key_norm.weight"] = convert._numpy(trunk["final_attnres"]["key_norm"]["weight"])
     head = params["head"]
-    if m.head == "standard":
+    if m.head != "twin":
         out["model.embed_tokens.weight"] = convert._numpy(head["embedding"])
+        if m.head == "untied":
+            out["lm_head.weight"] = convert._numpy(head["unembedding"])
     else:
         A, B, w = (convert._numpy(head[k]) for k in ("A", "B", "gate"))
         M, z = fold_twin(A, B, w)
@@ -252,7 +255,9 @@ def from_hf(state_dict: Mapping[str, Any], m) -> dict:
         if m.arch == "attnres":
             trunk["final_attnres"] = {"query": sd["model.final_attnres.query"],
                                       "key_norm": {"weight": sd["model.final_attnres.key_norm.weight"]}}
-        if m.head == "standard":
+        if m.head == "untied":
+            head = {"embedding": sd["model.embed_tokens.weight"], "unembedding": sd["lm_head.weight"]}
+        elif m.head != "twin":
             head = {"embedding": sd["model.embed_tokens.weight"]}
         else:
             head = {"A": sd["twin.A"], "B": sd["twin.B"], "gate": sd["twin.gate.weight"].reshape(-1)}
@@ -299,10 +304,10 @@ def hf_config(m, max_positions: int = 1024):
     moe = dict(num_experts=int(m.moe.n_experts), num_experts_per_tok=int(m.moe.top_k),
                moe_intermediate_size=int(m.moe.d_expert), norm_topk_prob=bool(m.moe.renormalize))
     if kind == "qwen3":
-        cfg = transformers.Qwen3Config(**common, tie_word_embeddings=True)
+        cfg = transformers.Qwen3Config(**common, tie_word_embeddings=m.head == "standard")
         cfg.architectures = ["Qwen3ForCausalLM"]
     elif kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, **moe, tie_word_embeddings=True, decoder_sparse_step=1,
+        cfg = transformers.Qwen3MoeConfig(**common, **moe, tie_word_embeddings=m.head == "standard", decoder_sparse_step=1,
                                           mlp_only_layers=[], output_router_logits=False,
                                           router_aux_loss_coef=float(m.moe.aux_coef))
         cfg.architectures = ["Qwen3MoeForCausalLM"]
@@ -357,8 +362,6 @@ def model_config_from_hf(hf: dict, base=None):
         problems.append(f"rope_type={rope.get('rope_type')!r} (ours is the default RoPE)")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
-    if kind != "onona" and not hf.get("tie_word_embeddings", False):
-        problems.append("untied lm_head (tie_word_embeddings=false); the standard head is tied")
     if kind == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
         problems.append("dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
     if problems:
@@ -366,7 +369,7 @@ def model_config_from_hf(hf: dict, base=None):
     d, n = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     m.update(
         arch={"qwen3": "dense", "qwen3_moe": "moe"}.get(kind, hf.get("family")),
-        head=hf.get("head", "standard"), vocab_size=int(hf["vocab_size"]), d_model=d,
+        head=hf.get("head") or ("standard" if hf.get("tie_word_embeddings", False) else "untied"), vocab_size=int(hf["vocab_size"]), d_model=d,
         n_layers=int(hf["num_hidden_layers"]), n_heads=n,
         n_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or d // n),
         d_ff=int(hf["intermediate_size"]), norm_eps=float(hf["rms_norm_eps"]),
@@ -380,7 +383,8 @@ def model_config_from_hf(hf: dict, base=None):
             raise ValueError("cannot import grouped GDN value heads (linear_num_value_heads != linear_num_key_heads)")
         m.gdn.update(n_heads=int(hf["linear_num_key_heads"]), head_dim_k=int(hf["linear_key_head_dim"]),
                      head_dim_v=int(hf["linear_value_head_dim"]), conv_kernel=int(hf["linear_conv_kernel_dim"]))
-        m.layer_pattern = hf.get("layer_pattern") or ""
+        pattern = hf.get("layer_pattern") or ""
+        m.layer_pattern = "" if pattern == "gdn,gdn,gdn,attention" else pattern  # "": the arch's own
     if m.arch == "attnres":
         m.attnres.block_size = int(hf.get("attnres_block_size", 1))
     if int(hf["vocab_size"]) < 50257:

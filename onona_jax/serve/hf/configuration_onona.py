@@ -6,7 +6,7 @@ that is not a plain Qwen3 / Qwen3-MoE; it needs transformers alone (no onona_jax
 It is a Qwen3 configuration (the attention and MLP fields keep their Qwen3 meaning) plus
 
     family   dense | moe | gdn | attnres   the decoder body
-    head     twin | standard               the output layer
+    head     twin | standard | untied | sigsoftmax   the output layer
     moe:     num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob
              (Qwen3-MoE's names: top-k of a softmax over all experts, optionally renormalised)
     gdn:     linear_num_key_heads = linear_num_value_heads, linear_key_head_dim,
@@ -20,7 +20,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
-HEADS = ("twin", "standard")
+HEADS = ("twin", "standard", "untied", "sigsoftmax")
 
 
 @strict

@@ -26,6 +26,8 @@ and `config.head`
               log p = logaddexp(log_softmax(hAᵀ) + logσ(z[x]), log_softmax(hBᵀ) + logσ(−z[x])),
               z = `twin.gate_logit`, precomputed for every input token as wᵀ rmsnorm(M_x)
     standard  the tied table E reads and writes: log p = log_softmax(hEᵀ)
+    untied    E reads, `lm_head.weight` W writes: log p = log_softmax(hWᵀ)
+    sigsoftmax  the tied E, p ∝ exp(z)σ(z) with z = hEᵀ (Kanai et al., 2018)
 
 `logits` are the model's fp32 log-probabilities (a softmax of them is the model's
 distribution, so greedy search, sampling and beam search act on the mixture). The KV cache
@@ -223,6 +225,8 @@ class OnonaForCausalLM(OnonaPreTrainedModel, GenerationMixin):
         self.model = OnonaModel(config)
         if config.head == "twin":
             self.twin = OnonaTwinHead(config)
+        elif config.head == "untied":
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -232,7 +236,8 @@ class OnonaForCausalLM(OnonaPreTrainedModel, GenerationMixin):
         self.model.embed_tokens = value
 
     def get_output_embeddings(self):
-        return None  # the head reads its tables itself (tied, or the twin's A and B)
+        # the head reads its tables itself (tied E, or the twin's A and B): nothing to tie
+        return self.lm_head if self.config.head == "untied" else None
 
     @torch.no_grad()
     def refresh_gate(self):
@@ -255,8 +260,13 @@ class OnonaForCausalLM(OnonaPreTrainedModel, GenerationMixin):
         h = h[:, keep]
         if self.config.head == "twin":
             log_probs = twin_log_probs(h, self.twin.A, self.twin.B, self.twin.gate_logit[input_ids[:, keep]])
+        elif self.config.head == "untied":
+            log_probs = F.log_softmax(self.lm_head(h).float(), dim=-1)
         else:
-            log_probs = F.log_softmax((h @ self.model.embed_tokens.weight.T).float(), dim=-1)
+            z = (h @ self.model.embed_tokens.weight.T).float()
+            if self.config.head == "sigsoftmax":
+                z = 2.0 * z - F.softplus(z)  # log(exp(z)·σ(z))
+            log_probs = F.log_softmax(z, dim=-1)
         loss = None
         if labels is not None:
             loss = F.nll_loss(log_probs[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(log_probs.device),
