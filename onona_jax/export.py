@@ -2,13 +2,12 @@
 
     python -m onona_jax.export --workdir=DIR --output=OUT [--step=N] [--no_tokenizer] [--mesh=-1,1,1]
 
-Every family (dense, moe, gdn, attnres) with head standard, twin, untied or sigsoftmax
-(`serve/hf_format.py`):
+Every family (dense, moe, gdn, attnres) with every head (`serve/hf_format.py`):
 
 * Dense **standard** / **untied** -> a plain `Qwen3ForCausalLM` folder, MoE **standard** /
   **untied** -> a plain `Qwen3MoeForCausalLM` folder (standard: tied embeddings, the table
   stored once as `model.embed_tokens.weight`);
-* everything else (twin and sigsoftmax heads, GDN hybrid, AttnRes) -> `OnonaForCausalLM`: `config.json`
+* everything else (the twin head and the controls, GDN hybrid, AttnRes) -> `OnonaForCausalLM`: `config.json`
   (model_type "onona", `auto_map` to `configuration_onona.py` and `modeling_onona.py`, which
   are copied into OUT and need transformers alone), the body under Qwen3 names, and for the
   twin head the folded tensors (M = (A+B)/2 as `model.embed_tokens.weight`, A, B, the gate's w
@@ -24,8 +23,7 @@ which `python -m onona_jax.convert --from_hf=OUT` uses to import it back exactly
     transformers.AutoTokenizer.from_pretrained(OUT)
 
 The vocabulary keeps the model's padded size (50,304): ids 50,257.. never occur in the data
-and get (small) probabilities like any other row. Other heads have no export: a ValueError
-says what is supported. Needs `transformers` and `safetensors` (pip install -e '.[test]').
+and get (small) probabilities like any other row. Needs `transformers` and `safetensors` (pip install -e '.[test]').
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Our parameter trees ⇄ HF transformers checkpoints, for every family and the heads
-standard, twin, untied and sigsoftmax (numpy in between; torch and transformers are imported inside functions).
+"""Our parameter trees ⇄ HF transformers checkpoints, for every family and every head (numpy in between; torch and transformers are imported inside functions).
 
 Names (all families share the body's; `model.layers.<i>.` prefixes the per-layer ones):
 
@@ -15,11 +14,12 @@ Names (all families share the body's; `model.layers.<i>.` prefixes the per-layer
     mlp.experts.down_proj [E, d, f]      MoE (Qwen3-MoE, fused experts)
     attnres.{attn,mlp}_query [d], attnres.{attn,mlp}_key_norm.weight [d],
     model.final_attnres.query, model.final_attnres.key_norm.weight     Attention Residuals
-    twin.A, twin.B [V, d], twin.gate.weight [1, d]   the twin tables and the gate's w
+    twin.A, twin.B [V, d], twin.gate.weight [1, d]   the two-table heads' tables and gate w
     twin.gate_logit [V]                  z_v = wᵀ rmsnorm(M_v), the gate lookup
+    lm_head.weight, mos.proj, mos.prior  the controls' output tables (see `head_to_hf`)
 
-M and z are derived (folded once at export, as serving does); importing reads A, B and w, so
-JAX → HF → JAX is bit-exact. Every map is a transpose or reshape.
+M, z (and input_gate's gated rows) are derived (folded once at export, as serving does);
+importing reads A, B and w, so JAX → HF → JAX is bit-exact. Every map is a transpose or reshape.
 
 Which class a folder loads as (`export_kind`): Dense + standard/untied -> `Qwen3ForCausalLM`,
 MoE + standard/untied -> `Qwen3MoeForCausalLM`, everything else in FAMILIES × HEADS ->
@@ -39,9 +39,10 @@ import numpy as np
 from onona_jax import convert
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
-HEADS = ("standard", "twin", "untied", "sigsoftmax")
-SUPPORTED = (f"families {', '.join(FAMILIES)} with head {', '.join(HEADS)} (dense and moe with "
-             "standard or untied as Qwen3ForCausalLM / Qwen3MoeForCausalLM, the rest as OnonaForCausalLM)")
+HEADS = ("standard", "twin", "untied", "sigsoftmax", "mos", "moss", "input_gate", "twin_input_only",
+         "twin_output_only")
+SUPPORTED = (f"families {', '.join(FAMILIES)} with any head ({', '.join(HEADS)}); dense and moe with "
+             "standard or untied as Qwen3ForCausalLM / Qwen3MoeForCausalLM, the rest as OnonaForCausalLM")
 HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
 CODE_FILES = ("configuration_onona.py", "modeling_onona.py")
 AUTO_MAP = {"AutoConfig": "configuration_onona.OnonaConfig",
@@ -198,18 +199,56 @@ def _layer_from_hf(sd: Mapping[str, np.ndarray], kind: str, m) -> dict:
 # ----------------------------------------------------------------------------- whole state dicts
 
 
-def fold_twin(A, B, w):
-    """(M, z): M = (A+B)/2 bitwise as the JAX model's `TwinHead.merged()`, and the gate lookup
-    z = wᵀ rmsnorm(M_v) for every v, computed by the JAX model's own `heads.gate_logit`."""
+def head_to_hf(head: dict, m) -> dict[str, np.ndarray]:
+    """Our head's parameters -> its HF tensors, folded for serving as `OnonaForCausalLM`
+    reads them (see modeling_onona.py): the input table the body reads is
+    `model.embed_tokens.weight`, the gate a lookup over input tokens."""
     import jax
     import jax.numpy as jnp
 
     from onona_jax import heads
 
-    M = (A + B) * np.float32(0.5)
-    with jax.default_matmul_precision("highest"):
-        z = np.asarray(heads.gate_logit(jnp.asarray(M), jnp.asarray(w)), np.float32)
-    return M, z
+    if "embedding" in head:  # standard, untied, sigsoftmax, mos, moss: E is the input table
+        out = {"model.embed_tokens.weight": head["embedding"]}
+        if m.head == "untied":
+            out["lm_head.weight"] = head["unembedding"]
+        if m.head in ("mos", "moss"):
+            out.update({"mos.proj": head["mos_proj"], "mos.prior": head["mos_prior"]})
+        return out
+    A, B = head["A"], head["B"]
+    out = {"twin.A": A, "twin.B": B}
+    M = (A + B) * np.float32(0.5)  # bitwise TwinHead.merged()
+    if "gate" in head:
+        w = head["gate"]
+        out["twin.gate.weight"] = w[None, :]
+        with jax.default_matmul_precision("highest"):
+            z = np.asarray(heads.gate_logit(jnp.asarray(A if m.head == "twin_output_only" else M), jnp.asarray(w)))
+            if m.head == "input_gate":  # g·A[x] + (1−g)·B[x] for every x, as the JAX head forms it
+                out["model.embed_tokens.weight"] = np.asarray(heads.input_gate_rows(jnp.asarray(A), jnp.asarray(B),
+                                                                                    jnp.asarray(w)))
+        out["twin.gate_logit"] = z
+    out.setdefault("model.embed_tokens.weight", A if m.head == "twin_output_only" else M)
+    if m.head == "input_gate":
+        out["lm_head.weight"] = M
+    elif m.head == "twin_input_only":
+        out["lm_head.weight"] = A
+    return out
+
+
+def head_from_hf(sd: Mapping[str, np.ndarray], m) -> dict:
+    """The inverse of `head_to_hf`: our head's parameters from the stored ones (never the
+    folded M, z or gated rows, which are derived)."""
+    if m.head in ("twin", "twin_output_only", "input_gate", "twin_input_only"):
+        head = {"A": sd["twin.A"], "B": sd["twin.B"]}
+        if m.head != "twin_input_only":
+            head["gate"] = sd["twin.gate.weight"].reshape(-1)
+        return head
+    head = {"embedding": sd["model.embed_tokens.weight"]}
+    if m.head == "untied":
+        head["unembedding"] = sd["lm_head.weight"]
+    if m.head in ("mos", "moss"):
+        head.update(mos_proj=sd["mos.proj"], mos_prior=sd["mos.prior"])
+    return head
 
 
 def to_hf(params, m) -> dict[str, np.ndarray]:
@@ -223,16 +262,7 @@ def to_hf(params, m) -> dict[str, np.ndarray]:
     if m.arch == "attnres":
         out["model.final_attnres.query"] = convert._numpy(trunk["final_attnres"]["query"])
         out["model.final_attnres.key_norm.weight"] = convert._numpy(trunk["final_attnres"]["key_norm"]["weight"])
-    head = params["head"]
-    if m.head != "twin":
-        out["model.embed_tokens.weight"] = convert._numpy(head["embedding"])
-        if m.head == "untied":
-            out["lm_head.weight"] = convert._numpy(head["unembedding"])
-    else:
-        A, B, w = (convert._numpy(head[k]) for k in ("A", "B", "gate"))
-        M, z = fold_twin(A, B, w)
-        out.update({"model.embed_tokens.weight": M, "twin.A": A, "twin.B": B,
-                    "twin.gate.weight": w[None, :], "twin.gate_logit": z})
+    out.update(head_to_hf({k: convert._numpy(v) for k, v in params["head"].items()}, m))
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
@@ -255,12 +285,7 @@ def from_hf(state_dict: Mapping[str, Any], m) -> dict:
         if m.arch == "attnres":
             trunk["final_attnres"] = {"query": sd["model.final_attnres.query"],
                                       "key_norm": {"weight": sd["model.final_attnres.key_norm.weight"]}}
-        if m.head == "untied":
-            head = {"embedding": sd["model.embed_tokens.weight"], "unembedding": sd["lm_head.weight"]}
-        elif m.head != "twin":
-            head = {"embedding": sd["model.embed_tokens.weight"]}
-        else:
-            head = {"A": sd["twin.A"], "B": sd["twin.B"], "gate": sd["twin.gate.weight"].reshape(-1)}
+        head = head_from_hf(sd, m)
     except KeyError as err:
         raise ValueError(f"checkpoint lacks {err.args[0]!r}, which a {m.arch}-{m.head} model needs") from None
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), {"trunk": trunk, "head": head})
@@ -320,6 +345,7 @@ def hf_config(m, max_positions: int = 1024):
             linear_num_key_heads=int(G.n_heads), linear_num_value_heads=int(G.n_heads),
             linear_key_head_dim=int(G.head_dim_k), linear_value_head_dim=int(G.head_dim_v),
             linear_conv_kernel_dim=int(G.conv_kernel), attnres_block_size=int(m.attnres.block_size),
+            mos_components=int(m.mos_components),
         )
         cfg.architectures = ["OnonaForCausalLM"]
         cfg.auto_map = dict(AUTO_MAP)
@@ -387,6 +413,8 @@ def model_config_from_hf(hf: dict, base=None):
         m.layer_pattern = "" if pattern == "gdn,gdn,gdn,attention" else pattern  # "": the arch's own
     if m.arch == "attnres":
         m.attnres.block_size = int(hf.get("attnres_block_size", 1))
+    if m.head in ("mos", "moss"):
+        m.mos_components = int(hf.get("mos_components", 2))
     if int(hf["vocab_size"]) < 50257:
         raise ValueError(f"vocab_size={hf['vocab_size']}: import needs a GPT-2-sized vocabulary (≥ 50,257); "
                          "the data pipeline and tasks use the GPT-2 tokenizer")

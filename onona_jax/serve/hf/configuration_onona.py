@@ -6,7 +6,8 @@ that is not a plain Qwen3 / Qwen3-MoE; it needs transformers alone (no onona_jax
 It is a Qwen3 configuration (the attention and MLP fields keep their Qwen3 meaning) plus
 
     family   dense | moe | gdn | attnres   the decoder body
-    head     twin | standard | untied | sigsoftmax   the output layer
+    head     one of HEADS (twin, standard, the controls), see modeling_onona.py
+    mos:     mos_components K
     moe:     num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob
              (Qwen3-MoE's names: top-k of a softmax over all experts, optionally renormalised)
     gdn:     linear_num_key_heads = linear_num_value_heads, linear_key_head_dim,
@@ -20,7 +21,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
-HEADS = ("twin", "standard", "untied", "sigsoftmax")
+HEADS = ("twin", "standard", "untied", "sigsoftmax", "mos", "moss", "input_gate", "twin_input_only",
+         "twin_output_only")
 
 
 @strict
@@ -41,6 +43,8 @@ class OnonaConfig(Qwen3Config):
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
+    # mos / moss heads
+    mos_components: int = 2
     # Attention Residuals
     attnres_block_size: int = 1
     # twin gate: F.rms_norm's default eps in fp32

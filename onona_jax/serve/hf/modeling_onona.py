@@ -28,6 +28,12 @@ and `config.head`
     standard  the tied table E reads and writes: log p = log_softmax(hEᵀ)
     untied    E reads, `lm_head.weight` W writes: log p = log_softmax(hWᵀ)
     sigsoftmax  the tied E, p ∝ exp(z)σ(z) with z = hEᵀ (Kanai et al., 2018)
+    mos, moss   the tied E, a mixture of K softmaxes (sigsoftmaxes) of E tanh(W_k h) with the
+              prior softmax(h W_π) (`mos.proj` [K, d, d], `mos.prior` [d, K])
+    input_gate  the body reads g·A[x] + (1−g)·B[x] (folded per token into
+              `model.embed_tokens.weight`), the output is softmax(hMᵀ) (`lm_head.weight` = M)
+    twin_input_only   the body reads M[x], the output is softmax(hAᵀ) (`lm_head.weight` = A)
+    twin_output_only  the body reads A[x], the twin mixture with the gate reading A[x]
 
 `logits` are the model's fp32 log-probabilities (a softmax of them is the model's
 distribution, so greedy search, sampling and beam search act on the mixture). The KV cache
@@ -135,9 +141,12 @@ class OnonaPreTrainedModel(PreTrainedModel):
         # Weights come from the checkpoint; this only covers modules made from scratch.
         super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, OnonaTwinHead):
+        if isinstance(module, OnonaTwinTables):
             nn.init.normal_(module.A, std=std)
             nn.init.normal_(module.B, std=std)
+        elif isinstance(module, OnonaMoS):
+            nn.init.normal_(module.proj, std=std)
+            nn.init.normal_(module.prior, std=std)
         elif hasattr(module, "gate_up_proj") and module.gate_up_proj.dim() == 3:  # Qwen3-MoE experts
             nn.init.normal_(module.gate_up_proj, std=std)
             nn.init.normal_(module.down_proj, std=std)
@@ -206,27 +215,47 @@ class OnonaModel(OnonaPreTrainedModel):
         return attnres_mix(blocks + ([partial] if partial is not None else []), f.query, f.key_norm.weight, eps)
 
 
-class OnonaTwinHead(nn.Module):
-    """Output tables A, B [V, d]; the gate w (`gate.weight` [1, d], provenance and re-import)
-    and its lookup z = wᵀ rmsnorm(M_v) for every input token v (`gate_logit` [V])."""
+class OnonaTwinTables(nn.Module):
+    """The two-table heads' A, B [V, d]; where there is a gate, its w (`gate.weight` [1, d],
+    kept for re-import) and its lookup z_v = wᵀ rmsnorm(r_v) for every input token v
+    (`gate_logit` [V]; r = M, or A for twin_output_only)."""
 
-    def __init__(self, config: OnonaConfig):
+    def __init__(self, config: OnonaConfig, gate: bool):
         super().__init__()
         V, d = config.vocab_size, config.hidden_size
         self.A = nn.Parameter(torch.empty(V, d))
         self.B = nn.Parameter(torch.empty(V, d))
-        self.gate = nn.Linear(d, 1, bias=False)
-        self.register_buffer("gate_logit", torch.zeros(V))
+        if gate:
+            self.gate = nn.Linear(d, 1, bias=False)
+            self.register_buffer("gate_logit", torch.zeros(V))
+
+
+class OnonaMoS(nn.Module):
+    """Mixture of softmaxes: `proj` [K, d, d] (contexts tanh(h W_k)), `prior` [d, K]."""
+
+    def __init__(self, config: OnonaConfig):
+        super().__init__()
+        K, d = config.mos_components, config.hidden_size
+        self.proj = nn.Parameter(torch.empty(K, d, d))
+        self.prior = nn.Parameter(torch.empty(d, K))
+
+
+GATED = ("twin", "twin_output_only", "input_gate")
+TWO_TABLES = (*GATED, "twin_input_only")
+SINGLE_OUTPUT = ("untied", "input_gate", "twin_input_only")  # softmax(h lm_headᵀ)
 
 
 class OnonaForCausalLM(OnonaPreTrainedModel, GenerationMixin):
     def __init__(self, config: OnonaConfig):
         super().__init__(config)
         self.model = OnonaModel(config)
-        if config.head == "twin":
-            self.twin = OnonaTwinHead(config)
-        elif config.head == "untied":
+        head = config.head
+        if head in TWO_TABLES:
+            self.twin = OnonaTwinTables(config, gate=head in GATED)
+        if head in SINGLE_OUTPUT:  # its own output table (input_gate: M, twin_input_only: A)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if head in ("mos", "moss"):
+            self.mos = OnonaMoS(config)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -236,37 +265,40 @@ class OnonaForCausalLM(OnonaPreTrainedModel, GenerationMixin):
         self.model.embed_tokens = value
 
     def get_output_embeddings(self):
-        # the head reads its tables itself (tied E, or the twin's A and B): nothing to tie
-        return self.lm_head if self.config.head == "untied" else None
+        # the heads read their tables themselves; only lm_head is a plain output layer, never tied
+        return getattr(self, "lm_head", None)
 
-    @torch.no_grad()
-    def refresh_gate(self):
-        """Recompute the folded twin tensors from A, B and w (after editing them):
-        M = (A+B)/2 and z_v = wᵀ rmsnorm(M_v; eps = gate_eps)."""
-        t = self.twin
-        M = (t.A + t.B) * 0.5
-        self.model.embed_tokens.weight.copy_(M)
-        t.gate_logit.copy_(t.gate(F.rms_norm(M, (M.shape[-1],), eps=self.config.gate_eps))[:, 0])
+    def head_log_probs(self, h, input_ids):
+        """fp32 log p(next token) [..., V] from final hidden states h and the input tokens."""
+        head = self.config.head
+        if head in ("twin", "twin_output_only"):
+            return twin_log_probs(h, self.twin.A, self.twin.B, self.twin.gate_logit[input_ids])
+        if head in SINGLE_OUTPUT:
+            return F.log_softmax(self.lm_head(h).float(), dim=-1)
+        E = self.model.embed_tokens.weight
+        if head in ("mos", "moss"):
+            log_prior = F.log_softmax((h @ self.mos.prior).float(), dim=-1)  # [..., K]
+            contexts = torch.tanh(torch.einsum("...d,kde->...ke", h, self.mos.proj))
+            z = (contexts @ E.T).float()  # [..., K, V]
+            if head == "moss":
+                z = 2.0 * z - F.softplus(z)
+            return torch.logsumexp(log_prior.unsqueeze(-1) + F.log_softmax(z, dim=-1), dim=-2)
+        z = (h @ E.T).float()
+        if head == "sigsoftmax":
+            z = 2.0 * z - F.softplus(z)  # log(exp(z)·σ(z))
+        return F.log_softmax(z, dim=-1)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        if self.config.head == "twin" and input_ids is None:
-            raise ValueError("the twin head's gate reads the input tokens: pass input_ids, not inputs_embeds")
+        if self.config.head in GATED and input_ids is None:
+            raise ValueError(f"the {self.config.head} head's gate reads the input tokens: pass input_ids, "
+                             "not inputs_embeds")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        h = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        h = h[:, keep]
-        if self.config.head == "twin":
-            log_probs = twin_log_probs(h, self.twin.A, self.twin.B, self.twin.gate_logit[input_ids[:, keep]])
-        elif self.config.head == "untied":
-            log_probs = F.log_softmax(self.lm_head(h).float(), dim=-1)
-        else:
-            z = (h @ self.model.embed_tokens.weight.T).float()
-            if self.config.head == "sigsoftmax":
-                z = 2.0 * z - F.softplus(z)  # log(exp(z)·σ(z))
-            log_probs = F.log_softmax(z, dim=-1)
+        log_probs = self.head_log_probs(out.last_hidden_state[:, keep],
+                                        None if input_ids is None else input_ids[:, keep])
         loss = None
         if labels is not None:
             loss = F.nll_loss(log_probs[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(log_probs.device),
