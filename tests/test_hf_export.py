@@ -6,7 +6,7 @@ weight shows) is exported, loaded with `AutoModelForCausalLM.from_pretrained(OUT
 trust_remote_code=True)`, and must give the JAX model's log-probabilities (1e-4; fp32 on
 both sides, the differences are summation order), the same greedy continuations as
 `serving.Server.generate(greedy=True)` on three prompts, and read back bit-exactly. The
-default suite runs dense-twin; the rest of the grid and lm-evaluation-harness are `slow`:
+default suite runs dense-twin (and lm-evaluation-harness on it); the rest of the grid is `slow`:
 
     python -m pytest -q -m '' tests/test_hf_export.py
 """
@@ -170,7 +170,6 @@ def test_import_round_trip_is_bit_exact(exported, imported):
     assert convert.main([f"--from_hf={e.out}", f"--workdir={imported}"]) == 2
 
 
-@pytest.mark.slow
 def test_lm_eval_hf_model_equals_our_tasks(exported, imported, monkeypatch):
     """lm-evaluation-harness's `hf` model on the export folder gives the same WikiText-2 word
     perplexity and LAMBADA accuracy and perplexity as our tasks (eval.py's) on the imported
