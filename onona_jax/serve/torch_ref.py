@@ -96,28 +96,31 @@ class TwinServing(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_export(cls, path, device="cpu"):
-        """Load an export folder (twin_config.json + model.safetensors)."""
+        """Load a dense twin export folder (`python -m onona_jax.serve.export`: config.json with
+        model_type "onona" + model.safetensors) into the folded serving form."""
         import json
         import os
 
         from safetensors.torch import load_file
+        from transformers import Qwen3Config
 
-        cfg_path = os.path.join(path, "twin_config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"{path} has no twin_config.json; make it with "
+        cfg_path = os.path.join(path, "config.json")
+        config = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else {}
+        if (config.get("model_type"), config.get("family"), config.get("head")) != ("onona", "dense", "twin"):
+            raise ValueError(f"{path} is not a dense twin export (config.json with model_type 'onona', "
+                             f"family 'dense', head 'twin'); make one with "
                              f"`python -m onona_jax.serve.export --workdir=<twin run> --output={path}`")
-        with open(cfg_path) as f:
-            config = json.load(f)
-        if config.get("format") != "onona-twin-serving" or config.get("format_version") != 1:
-            raise ValueError(f"{cfg_path}: format {config.get('format')!r} version "
-                             f"{config.get('format_version')!r}; expected 'onona-twin-serving' 1")
+        qwen3 = {k: config[k] for k in Qwen3Config.__dataclass_fields__ if k in config and k != "model_type"}
+        qwen3.update(layer_types=None, tie_word_embeddings=False)
         tensors = load_file(os.path.join(path, "model.safetensors"))
-        module = cls(config)
-        body = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        module = cls({"qwen3": qwen3, "vocab_size": config["vocab_size"], "d_model": config["hidden_size"]})
+        body = {k[len("model."):]: v for k, v in tensors.items()
+                if k.startswith("model.") and k != "model.embed_tokens.weight"}
         module.model.load_state_dict(body, strict=True)
-        for name, key in (("M", "twin.M"), ("A", "twin.A"), ("B", "twin.B"), ("g", "twin.g"),
+        for name, key in (("M", "model.embed_tokens.weight"), ("A", "twin.A"), ("B", "twin.B"),
                           ("gate_logit", "twin.gate_logit")):
             getattr(module, name).copy_(tensors[key])
+        module.g.copy_(torch.sigmoid(module.gate_logit))
         return module.to(device).eval()
 
     def hidden(self, ids):

@@ -97,13 +97,14 @@ def setup(cfg, devices=None) -> Run:
 
 def abstract_train_state(run: Run):
     """ShapeDtypeStructs with shardings: what Orbax restores into."""
-    shapes = jax.eval_shape(lambda p: _new_state(run, p), run.abstract_params)
+    shapes = jax.eval_shape(lambda p: new_state(run, p), run.abstract_params)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, run.state_shardings
     )
 
 
-def _new_state(run: Run, params):
+def new_state(run: Run, params):
+    """A train state around `params`: fresh optimizer state, step 0."""
     return {"params": params, "opt_state": run.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
@@ -112,6 +113,6 @@ def init_state(run: Run, seed: int):
     _, abstract = models.abstract(run.cfg.model)
 
     def make():
-        return _new_state(run, init_params(abstract, seed))
+        return new_state(run, init_params(abstract, seed))
 
     return jax.jit(make, out_shardings=run.state_shardings)()

@@ -1,0 +1,523 @@
+"""Our parameter trees ⇄ HF transformers checkpoints, for every family and every head (numpy in between; torch and transformers are imported inside functions).
+
+Names (all families share the body's; `model.layers.<i>.` prefixes the per-layer ones):
+
+    model.embed_tokens.weight            [V, d]  standard, sigsoftmax: E (tied, no lm_head.weight);
+                                                 untied: E, with W as lm_head.weight;
+                                                 twin: M = (A+B)/2, the table the body reads
+    model.norm.weight                    [d]
+    input_layernorm.weight, post_attention_layernorm.weight            the two pre-norms
+    self_attn.{q,k,v,o}_proj.weight, self_attn.{q,k}_norm.weight       attention (Qwen3)
+    linear_attn.*                        Gated DeltaNet (Qwen3-Next, `convert.gdn_to_hf`)
+    mlp.{gate,up,down}_proj.weight       SwiGLU (Qwen3)
+    mlp.gate.weight [E, d], mlp.experts.gate_up_proj [E, 2f, d] (gate rows first),
+    mlp.experts.down_proj [E, d, f]      MoE (Qwen3-MoE, fused experts)
+    attnres.{attn,mlp}_query [d], attnres.{attn,mlp}_key_norm.weight [d],
+    model.final_attnres.query, model.final_attnres.key_norm.weight     Attention Residuals
+    twin.A, twin.B [V, d], twin.gate.weight [1, d]   the two-table heads' tables and gate w
+    twin.gate_logit [V]                  z_v = wᵀ rmsnorm(M_v), the gate lookup
+    lm_head.weight, mos.proj, mos.prior  the controls' output tables (see `head_to_hf`)
+
+M, z (and input_gate's gated rows) are derived (folded once at export, as serving does);
+importing reads A, B and w, so JAX → HF → JAX is bit-exact. Every map is a transpose or reshape.
+
+Which class a folder loads as (`export_kind`): Dense + standard/untied -> `Qwen3ForCausalLM`,
+MoE + standard/untied -> `Qwen3MoeForCausalLM`, everything else in FAMILIES × HEADS ->
+`OnonaForCausalLM` from `serve/hf/modeling_onona.py`, copied into the folder (auto_map,
+trust_remote_code=True).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Mapping
+
+import numpy as np
+
+from onona_jax.serve import convert
+
+FAMILIES = ("dense", "moe", "gdn", "attnres")
+HEADS = ("standard", "twin", "untied", "sigsoftmax", "mos", "moss", "input_gate", "twin_input_only",
+         "twin_output_only")
+SUPPORTED = (f"families {', '.join(FAMILIES)} with any head ({', '.join(HEADS)}); dense and moe with "
+             "standard or untied as Qwen3ForCausalLM / Qwen3MoeForCausalLM, the rest as OnonaForCausalLM")
+HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
+CODE_FILES = ("configuration_onona.py", "modeling_onona.py")
+AUTO_MAP = {"AutoConfig": "configuration_onona.OnonaConfig",
+            "AutoModelForCausalLM": "modeling_onona.OnonaForCausalLM"}
+WEIGHTS = "model.safetensors"
+TRAIN_CONFIG = "onona_train_config.json"
+
+
+def check_supported(m) -> None:
+    if m.arch not in FAMILIES or m.head not in HEADS:
+        raise ValueError(f"cannot export a model with arch={m.arch!r}, head={m.head!r}; export supports {SUPPORTED}")
+
+
+def export_kind(m) -> str:
+    check_supported(m)
+    if m.head in ("standard", "untied") and m.arch in ("dense", "moe"):
+        return {"dense": "qwen3", "moe": "qwen3_moe"}[m.arch]
+    return "onona"
+
+
+# ----------------------------------------------------------------------------- per-layer trees
+
+
+def _pattern(m) -> list[str]:
+    from onona_jax.models import layer_pattern
+
+    return layer_pattern(m)
+
+
+def _layers(params, m) -> list[dict]:
+    """Our trunk's layers as a list of L unstacked (numpy) trees, whatever the scan layout."""
+    import jax
+
+    trunk, L, P = params["trunk"]["layers"], m.n_layers, len(_pattern(m))
+    np_tree = lambda t: jax.tree.map(convert._numpy, t)  # noqa: E731
+    if not m.scan_layers:
+        return [np_tree(trunk[i]) for i in range(L)]
+    if P == 1:
+        stacked = np_tree(trunk)
+        return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(L)]
+    groups = [np_tree(trunk[j]) for j in range(P)]
+    return [jax.tree.map(lambda x, i=i: x[i // P], groups[i % P]) for i in range(L)]
+
+
+def _stack_layers(layers: list[dict], m):
+    """The inverse of `_layers`: the trunk's `layers` entry in m's scan layout."""
+    import jax
+
+    P = len(_pattern(m))
+    if not m.scan_layers:
+        return {i: layer for i, layer in enumerate(layers)}
+    if P == 1:
+        return jax.tree.map(lambda *xs: np.stack(xs), *layers)
+    return {j: jax.tree.map(lambda *xs: np.stack(xs), *layers[j::P]) for j in range(P)}
+
+
+def _flat(tree, prefix=()) -> dict[tuple, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = v
+    return out
+
+
+def _attn_mlp_entries(m):
+    """convert's Dense entries by our path: attention, norms and SwiGLU."""
+    return {e.path: e for e in convert._layer_entries(m)}
+
+
+def gdn_from_hf(sd: Mapping[str, np.ndarray], cfg_model) -> dict[str, np.ndarray]:
+    """The inverse of `convert.gdn_to_hf`: a Qwen3NextGatedDeltaNet state dict (names relative
+    to the module) -> our GDN layer's parameters (unstacked)."""
+    G = cfg_model.gdn
+    H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
+    qkvz = sd["in_proj_qkvz.weight"].T
+    d = qkvz.shape[0]
+    per_head = qkvz.reshape(d, H, 2 * dk + 2 * dv)
+    ba = sd["in_proj_ba.weight"].T.reshape(d, H, 2)
+    conv = sd["conv1d.weight"][:, 0, :].T  # [K, 2H·dk + H·dv]
+    K = conv.shape[0]
+    out = {
+        "q": per_head[..., :dk], "k": per_head[..., dk:2 * dk],
+        "v": per_head[..., 2 * dk:2 * dk + dv], "gate": per_head[..., 2 * dk + dv:],
+        "b": ba[..., 0], "a": ba[..., 1],
+        "conv_q": conv[:, :H * dk].reshape(K, H, dk), "conv_k": conv[:, H * dk:2 * H * dk].reshape(K, H, dk),
+        "conv_v": conv[:, 2 * H * dk:].reshape(K, H, dv),
+        "dt_bias": sd["dt_bias"], "A_log": sd["A_log"], "norm": sd["norm.weight"],
+        "o": sd["out_proj.weight"].T.reshape(H, dv, d),
+    }
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def _layer_to_hf(layer: dict, m) -> dict[str, np.ndarray]:
+    entries = _attn_mlp_entries(m)
+    out = {}
+    for path, x in _flat(layer).items():
+        if path in entries:
+            e = entries[path]
+            out[e.name] = convert._to_hf(x, e)
+        elif path[0] in ("gdn", "moe"):
+            continue  # whole sub-trees below
+        else:  # attnres queries and key norms: our path, dotted
+            out[".".join(path)] = x
+    if "gdn" in layer:
+        out.update({f"linear_attn.{k}": v for k, v in convert.gdn_to_hf(layer["gdn"], m).items()})
+    if "moe" in layer:
+        e = layer["moe"]
+        out["mlp.gate.weight"] = e["router"].T  # [E, d]
+        out["mlp.experts.gate_up_proj"] = np.concatenate(
+            [np.swapaxes(e["gate"], 1, 2), np.swapaxes(e["up"], 1, 2)], axis=1)  # [E, 2f, d]
+        out["mlp.experts.down_proj"] = np.swapaxes(e["down"], 1, 2)  # [E, d, f]
+    return out
+
+
+def _layer_from_hf(sd: Mapping[str, np.ndarray], kind: str, m) -> dict:
+    """One layer's tree from its HF tensors (names without `model.layers.<i>.`)."""
+    entries = _attn_mlp_entries(m)
+    flat = {}
+    for path, e in entries.items():
+        if path[0] == "attn" and kind != "attention":
+            continue
+        if path[0] == "mlp" and m.arch == "moe":
+            continue
+        flat[path] = convert._from_hf(sd[e.name], e)
+    if kind == "gdn":
+        flat.update({("gdn", k): v for k, v in
+                     gdn_from_hf({k[len("linear_attn."):]: v for k, v in sd.items() if k.startswith("linear_attn.")},
+                                 m).items()})
+    if m.arch == "moe":
+        E, f = m.moe.n_experts, m.moe.d_expert
+        if "mlp.experts.gate_up_proj" in sd:
+            gate_up, down = sd["mlp.experts.gate_up_proj"], sd["mlp.experts.down_proj"]
+        else:  # per-expert checkpoints (transformers 4.x names)
+            gate_up = np.stack([np.concatenate([sd[f"mlp.experts.{i}.gate_proj.weight"],
+                                                sd[f"mlp.experts.{i}.up_proj.weight"]]) for i in range(E)])
+            down = np.stack([sd[f"mlp.experts.{i}.down_proj.weight"] for i in range(E)])
+        flat[("moe", "router")] = sd["mlp.gate.weight"].T
+        flat[("moe", "gate")] = np.swapaxes(gate_up[:, :f], 1, 2)
+        flat[("moe", "up")] = np.swapaxes(gate_up[:, f:], 1, 2)
+        flat[("moe", "down")] = np.swapaxes(down, 1, 2)
+    if m.arch == "attnres":
+        for name in ("attn_query", "mlp_query"):
+            flat[("attnres", name)] = sd[f"attnres.{name}"]
+        for name in ("attn_key_norm", "mlp_key_norm"):
+            flat[("attnres", name, "weight")] = sd[f"attnres.{name}.weight"]
+    tree: dict = {}
+    for path, x in flat.items():
+        convert._set(tree, path, np.ascontiguousarray(x, dtype=np.float32))
+    return tree
+
+
+# ----------------------------------------------------------------------------- whole state dicts
+
+
+def head_to_hf(head: dict, m) -> dict[str, np.ndarray]:
+    """Our head's parameters -> its HF tensors, folded for serving as `OnonaForCausalLM`
+    reads them (see modeling_onona.py): the input table the body reads is
+    `model.embed_tokens.weight`, the gate a lookup over input tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from onona_jax import heads
+
+    if "embedding" in head:  # standard, untied, sigsoftmax, mos, moss: E is the input table
+        out = {"model.embed_tokens.weight": head["embedding"]}
+        if m.head == "untied":
+            out["lm_head.weight"] = head["unembedding"]
+        if m.head in ("mos", "moss"):
+            out.update({"mos.proj": head["mos_proj"], "mos.prior": head["mos_prior"]})
+        return out
+    A, B = head["A"], head["B"]
+    out = {"twin.A": A, "twin.B": B}
+    M = (A + B) * np.float32(0.5)  # bitwise TwinHead.merged()
+    if "gate" in head:
+        w = head["gate"]
+        out["twin.gate.weight"] = w[None, :]
+        with jax.default_matmul_precision("highest"):
+            z = np.asarray(heads.gate_logit(jnp.asarray(A if m.head == "twin_output_only" else M), jnp.asarray(w)))
+            if m.head == "input_gate":  # g·A[x] + (1−g)·B[x] for every x, as the JAX head forms it
+                out["model.embed_tokens.weight"] = np.asarray(heads.input_gate_rows(jnp.asarray(A), jnp.asarray(B),
+                                                                                    jnp.asarray(w)))
+        out["twin.gate_logit"] = z
+    out.setdefault("model.embed_tokens.weight", A if m.head == "twin_output_only" else M)
+    if m.head == "input_gate":
+        out["lm_head.weight"] = M
+    elif m.head == "twin_input_only":
+        out["lm_head.weight"] = A
+    return out
+
+
+def head_from_hf(sd: Mapping[str, np.ndarray], m) -> dict:
+    """The inverse of `head_to_hf`: our head's parameters from the stored ones (never the
+    folded M, z or gated rows, which are derived)."""
+    if m.head in ("twin", "twin_output_only", "input_gate", "twin_input_only"):
+        head = {"A": sd["twin.A"], "B": sd["twin.B"]}
+        if m.head != "twin_input_only":
+            head["gate"] = sd["twin.gate.weight"].reshape(-1)
+        return head
+    head = {"embedding": sd["model.embed_tokens.weight"]}
+    if m.head == "untied":
+        head["unembedding"] = sd["lm_head.weight"]
+    if m.head in ("mos", "moss"):
+        head.update(mos_proj=sd["mos.proj"], mos_prior=sd["mos.prior"])
+    return head
+
+
+def to_hf(params, m) -> dict[str, np.ndarray]:
+    """Our parameter tree -> {HF name: fp32 array} (the module docstring's names)."""
+    check_supported(m)
+    out = {}
+    for i, layer in enumerate(_layers(params, m)):
+        out.update({f"model.layers.{i}.{k}": v for k, v in _layer_to_hf(layer, m).items()})
+    trunk = params["trunk"]
+    out["model.norm.weight"] = convert._numpy(trunk["final_norm"]["weight"])
+    if m.arch == "attnres":
+        out["model.final_attnres.query"] = convert._numpy(trunk["final_attnres"]["query"])
+        out["model.final_attnres.key_norm.weight"] = convert._numpy(trunk["final_attnres"]["key_norm"]["weight"])
+    out.update(head_to_hf({k: convert._numpy(v) for k, v in params["head"].items()}, m))
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def from_hf(state_dict: Mapping[str, Any], m) -> dict:
+    """{HF name: tensor or array} -> our parameter tree (fp32 jax arrays, m's scan layout).
+    The inverse of `to_hf` (M and z are not read: A, B and w are the parameters)."""
+    import jax
+    import jax.numpy as jnp
+
+    check_supported(m)
+    sd = {k: convert._numpy(v) for k, v in state_dict.items()}
+    pattern = _pattern(m)
+    try:
+        layers = []
+        for i in range(m.n_layers):
+            prefix = f"model.layers.{i}."
+            sub = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            layers.append(_layer_from_hf(sub, pattern[i % len(pattern)], m))
+        trunk = {"layers": _stack_layers(layers, m), "final_norm": {"weight": sd["model.norm.weight"]}}
+        if m.arch == "attnres":
+            trunk["final_attnres"] = {"query": sd["model.final_attnres.query"],
+                                      "key_norm": {"weight": sd["model.final_attnres.key_norm.weight"]}}
+        head = head_from_hf(sd, m)
+    except KeyError as err:
+        raise ValueError(f"checkpoint lacks {err.args[0]!r}, which a {m.arch}-{m.head} model needs") from None
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), {"trunk": trunk, "head": head})
+    # every name and shape against the model's own: a wrong config must not load silently
+    from flax import nnx
+
+    from onona_jax import models as model_lib
+
+    _, abstract = model_lib.abstract(m)
+    want = {p: tuple(v.shape) for p, v in _flat(nnx.to_pure_dict(abstract)).items()}
+    have = {p: tuple(x.shape) for p, x in _flat(params).items()}
+    bad = [f"{'/'.join(map(str, p))}: {have.get(p)} != {want.get(p)}"
+           for p in sorted(set(want) | set(have), key=str) if want.get(p) != have.get(p)]
+    if bad:
+        raise ValueError("checkpoint does not fit the model config: " + "; ".join(bad[:8]))
+    return params
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _common(m, max_positions: int) -> dict:
+    return dict(
+        vocab_size=int(m.vocab_size), hidden_size=int(m.d_model), intermediate_size=int(m.d_ff),
+        num_hidden_layers=int(m.n_layers), num_attention_heads=int(m.n_heads),
+        num_key_value_heads=int(m.n_kv_heads), head_dim=int(m.head_dim), hidden_act="silu",
+        rms_norm_eps=float(m.norm_eps), max_position_embeddings=int(max_positions),
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
+        attention_bias=False, attention_dropout=0.0, use_sliding_window=False, use_cache=True,
+    )
+
+
+def hf_config(m, max_positions: int = 1024):
+    """The transformers config object of `export_kind(m)` (eos = bos = pad = <|endoftext|>)."""
+    import transformers
+
+    from onona_jax.tokenizer import EOT
+
+    kind = export_kind(m)
+    common = dict(_common(m, max_positions), bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT)
+    moe = dict(num_experts=int(m.moe.n_experts), num_experts_per_tok=int(m.moe.top_k),
+               moe_intermediate_size=int(m.moe.d_expert), norm_topk_prob=bool(m.moe.renormalize))
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, tie_word_embeddings=m.head == "standard")
+        cfg.architectures = ["Qwen3ForCausalLM"]
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, **moe, tie_word_embeddings=m.head == "standard", decoder_sparse_step=1,
+                                          mlp_only_layers=[], output_router_logits=False,
+                                          router_aux_loss_coef=float(m.moe.aux_coef))
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        OnonaConfig = _onona_config_class()
+        G = m.gdn
+        cfg = OnonaConfig(
+            **common, **moe, family=m.arch, head=m.head, tie_word_embeddings=False,
+            layer_pattern=",".join(_pattern(m)) if m.arch == "gdn" else "",
+            linear_num_key_heads=int(G.n_heads), linear_num_value_heads=int(G.n_heads),
+            linear_key_head_dim=int(G.head_dim_k), linear_value_head_dim=int(G.head_dim_v),
+            linear_conv_kernel_dim=int(G.conv_kernel), attnres_block_size=int(m.attnres.block_size),
+            mos_components=int(m.mos_components),
+        )
+        cfg.architectures = ["OnonaForCausalLM"]
+        cfg.auto_map = dict(AUTO_MAP)
+    cfg.dtype = "float32"
+    return cfg
+
+
+def _onona_config_class():
+    """OnonaConfig from the file copied into exports (imported by path: it is standalone)."""
+    import importlib.util
+    import sys
+
+    name = "onona_hf_configuration"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(HF_DIR, CODE_FILES[0]))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    module = sys.modules[name]
+    return module.OnonaConfig
+
+
+def model_config_from_hf(hf: dict, base=None):
+    """Our model config (ml_collections) for a HF config dict of model_type qwen3, qwen3_moe or
+    onona; `base` (a full config) supplies the keys HF does not carry (dtype, training)."""
+    from onona_jax import config as config_lib
+
+    c = base.copy_and_resolve_references() if base is not None else config_lib.base_config()
+    m = c.model
+    kind = hf.get("model_type")
+    if kind not in ("qwen3", "qwen3_moe", "onona"):
+        raise ValueError(f"model_type {kind!r}: import reads qwen3, qwen3_moe and onona checkpoints")
+    problems = []
+    if hf.get("attention_bias"):
+        problems.append("attention_bias=true (ours has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf.get('hidden_act')!r} (ours is silu)")
+    rope = hf.get("rope_parameters") or {"rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default"),
+                                         "rope_theta": hf.get("rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type={rope.get('rope_type')!r} (ours is the default RoPE)")
+    if hf.get("use_sliding_window"):
+        problems.append("use_sliding_window=true")
+    if kind == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        problems.append("dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
+    if problems:
+        raise ValueError("cannot import this checkpoint: " + "; ".join(problems))
+    d, n = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    m.update(
+        arch={"qwen3": "dense", "qwen3_moe": "moe"}.get(kind, hf.get("family")),
+        head=hf.get("head") or ("standard" if hf.get("tie_word_embeddings", False) else "untied"), vocab_size=int(hf["vocab_size"]), d_model=d,
+        n_layers=int(hf["num_hidden_layers"]), n_heads=n,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or d // n),
+        d_ff=int(hf["intermediate_size"]), norm_eps=float(hf["rms_norm_eps"]),
+        rope_theta=float(rope["rope_theta"]),
+    )
+    if m.arch == "moe":
+        m.moe.update(n_experts=int(hf["num_experts"]), top_k=int(hf["num_experts_per_tok"]),
+                     d_expert=int(hf["moe_intermediate_size"]), renormalize=bool(hf.get("norm_topk_prob", False)))
+    if m.arch == "gdn":
+        if int(hf["linear_num_key_heads"]) != int(hf["linear_num_value_heads"]):
+            raise ValueError("cannot import grouped GDN value heads (linear_num_value_heads != linear_num_key_heads)")
+        m.gdn.update(n_heads=int(hf["linear_num_key_heads"]), head_dim_k=int(hf["linear_key_head_dim"]),
+                     head_dim_v=int(hf["linear_value_head_dim"]), conv_kernel=int(hf["linear_conv_kernel_dim"]))
+        pattern = hf.get("layer_pattern") or ""
+        m.layer_pattern = "" if pattern == "gdn,gdn,gdn,attention" else pattern  # "": the arch's own
+    if m.arch == "attnres":
+        m.attnres.block_size = int(hf.get("attnres_block_size", 1))
+    if m.head in ("mos", "moss"):
+        m.mos_components = int(hf.get("mos_components", 2))
+    if int(hf["vocab_size"]) < 50257:
+        raise ValueError(f"vocab_size={hf['vocab_size']}: import needs a GPT-2-sized vocabulary (≥ 50,257); "
+                         "the data pipeline and tasks use the GPT-2 tokenizer")
+    return c
+
+
+# ----------------------------------------------------------------------------- export and import
+
+
+def write_tokenizer(output: str, max_length: int = 1024) -> list[str]:
+    """The GPT-2 BPE as a HF fast tokenizer (tokenizer.json + tokenizer_config.json), built
+    offline from the bundled rank file; returns the files written."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from onona_jax import tokenizer
+    from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
+
+    backend = TikTokenConverter(
+        vocab_file=tokenizer.ranks_path(), pattern=tokenizer.GPT2_PAT_STR,
+        extra_special_tokens={"<|endoftext|>": EOT},
+    ).converted()
+    if backend.get_vocab_size() != TOKENIZER_VOCAB:
+        raise ValueError(f"converted tokenizer has {backend.get_vocab_size()} entries, expected {TOKENIZER_VOCAB}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=max_length,
+        add_prefix_space=False,
+    )
+    files = list(fast.save_pretrained(output))
+    # transformers 5 records its new class name; the older alias loads in 4.x and 5.x alike.
+    config_path = os.path.join(output, "tokenizer_config.json")
+    with open(config_path) as f:
+        tok_config = json.load(f)
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_path, "w") as f:
+        json.dump(tok_config, f, indent=2)
+    return files
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], path: str):
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path,
+              metadata={"format": "pt"})
+
+
+def export(params, cfg, output: str, tokenizer: bool = True) -> tuple[str, list[str]]:
+    """Write the HF folder of a trained model (full config `cfg`): (kind, files written)."""
+    from transformers import GenerationConfig
+
+    from onona_jax.tokenizer import EOT
+
+    m = cfg.model
+    check_supported(m)
+    hf = hf_config(m, max(1024, int(cfg.data.seq_len)))
+    state = to_hf(params, m)
+    os.makedirs(output, exist_ok=True)
+    hf.save_pretrained(output)
+    files = ["config.json", WEIGHTS, "generation_config.json"]
+    if hf.model_type == "onona":
+        for name in CODE_FILES:
+            shutil.copyfile(os.path.join(HF_DIR, name), os.path.join(output, name))
+        files += list(CODE_FILES)
+    _save_safetensors(state, os.path.join(output, WEIGHTS))
+    GenerationConfig(bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT).save_pretrained(output)
+    if tokenizer:
+        files += [os.path.basename(f) for f in write_tokenizer(output, int(cfg.data.seq_len))]
+    with open(os.path.join(output, TRAIN_CONFIG), "w") as f:
+        f.write(cfg.to_json(indent=2))
+    return hf.model_type, files + [TRAIN_CONFIG]
+
+
+def read_config(path: str) -> dict:
+    """The HF config dict of a transformers folder."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{path} has no config.json; give a transformers model folder (e.g. from "
+                         "`python -m onona_jax.serve.export`)")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def read_weights(path: str) -> dict[str, np.ndarray]:
+    """{name: fp32 array} of a transformers folder (one or sharded safetensors files;
+    pytorch_model.bin as a fall-back)."""
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    state: dict[str, np.ndarray] = {}
+    if files:
+        from safetensors.numpy import load_file
+        from safetensors import safe_open
+
+        for name in files:
+            try:
+                state.update(load_file(os.path.join(path, name)))
+            except TypeError:  # bf16, which numpy lacks: through torch
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    state.update({k: convert._numpy(f.get_tensor(k)) for k in f.keys()})
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        import torch
+
+        state = {k: convert._numpy(v) for k, v in torch.load(os.path.join(path, "pytorch_model.bin"),
+                                                             map_location="cpu", weights_only=True).items()}
+    else:
+        raise ValueError(f"{path} has no *.safetensors or pytorch_model.bin weights")
+    return {k: np.asarray(v, np.float32) for k, v in state.items()}
