@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from onona_jax import fused
+from onona_jax import fused, fused_mixture
 from onona_jax.params import param
 
 # The paper's gate uses torch's `F.rms_norm(x0, (d,))` with eps=None, i.e. finfo(fp32).eps.
@@ -154,13 +154,42 @@ def _gate(d):
 
 
 class Head(nnx.Module):
-    """Base: the loss implementation (`model.loss`: fused | plain) and its vocabulary chunk."""
+    """Base: the loss implementation (`model.loss`: fused | fused_vocab | plain), its token
+    tile (fused) and vocabulary chunk (fused_vocab).
+
+    Every head is a mixture of softmaxes (`mixture`), and with `loss="fused"` its loss and
+    log p(target) come from `fused_mixture.mixture_nll`, which never builds [tokens, V]
+    logits and computes the gradients in its forward pass."""
 
     def __init__(self, cfg):
         self.loss, self.chunk = cfg.loss, cfg.loss_chunk
+        self.token_tile = cfg.get("loss_token_tile", fused_mixture.DEFAULT_TOKEN_TILE)
+
+    def mixture(self, h, x0):
+        """(hs, tables, log_weights, score) of `fused_mixture.mixture_nll` (no leading-dim
+        flattening): h shared by one table here; heads with more components override."""
+        raise NotImplementedError
+
+    def nll(self, h, x0, targets, weights):
+        """(Σ weights·(−log p(target)), log p(target)): the training loss with per-token
+        weights [...] (1/N for the mean), fused (gradients in the forward pass) or plain."""
+        if self.loss == "fused":
+            hs, tables, lw, score = self.mixture(h, x0)
+            return fused_mixture.head_nll(hs, tables, lw, targets, weights, score=score,
+                                          token_tile=self.token_tile)
+        logp = self.target_log_probs(h, x0, targets)
+        return -jnp.sum(weights.astype(jnp.float32) * logp), logp
+
+    def _fused_target(self, h, x0, targets):
+        return self.nll(h, x0, targets, jnp.zeros(targets.shape, jnp.float32))[1]
 
     def _target(self, h, tables, targets, z=None):
-        return table_target_log_probs(h, tables, targets, z, self.loss, self.chunk)
+        if self.loss == "fused":  # the mixture of these tables (logσ(±z) weights for two)
+            lw = None if z is None else jnp.stack([jax.nn.log_sigmoid(z), jax.nn.log_sigmoid(-z)], axis=-1)
+            zeros = jnp.zeros(targets.shape, jnp.float32)
+            return fused_mixture.head_nll(h, tables, lw, targets, zeros, token_tile=self.token_tile)[1]
+        loss = "fused" if self.loss == "fused_vocab" else self.loss  # the vocabulary-tiled fused.py
+        return table_target_log_probs(h, tables, targets, z, loss, self.chunk)
 
 
 class StandardHead(Head):
@@ -172,6 +201,9 @@ class StandardHead(Head):
 
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
+
+    def mixture(self, h, x0):
+        return h, (self.embedding[...],), None, None
 
     def log_probs(self, h, x0):
         return standard_log_probs(h, self.embedding[...])
@@ -205,6 +237,10 @@ class TwinHead(Head):
         """g = σ(wᵀ rmsnorm(gate rows)) per token, fp32 (for logging and serving)."""
         return jax.nn.sigmoid(gate_logit(self.gate_rows(tokens), self.gate[...]))
 
+    def mixture(self, h, x0):
+        z = gate_logit(x0, self.gate[...])
+        return h, (self.A[...], self.B[...]), jnp.stack([jax.nn.log_sigmoid(z), jax.nn.log_sigmoid(-z)], -1), None
+
     def log_probs(self, h, x0):
         return twin_log_probs(h, x0, self.A[...], self.B[...], self.gate[...])
 
@@ -223,6 +259,9 @@ class UntiedHead(Head):
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
 
+    def mixture(self, h, x0):
+        return h, (self.unembedding[...],), None, None
+
     def log_probs(self, h, x0):
         return standard_log_probs(h, self.unembedding[...])
 
@@ -233,10 +272,15 @@ class UntiedHead(Head):
 class SigsoftmaxHead(StandardHead):
     """Tied table, sigsoftmax output p ∝ exp(z)σ(z) (no extra parameters)."""
 
+    def mixture(self, h, x0):
+        return h, (self.embedding[...],), None, "sigsoftmax"
+
     def log_probs(self, h, x0):
         return sigsoftmax_log_probs(h, self.embedding[...])
 
     def target_log_probs(self, h, x0, targets):
+        if self.loss == "fused":
+            return self._fused_target(h, x0, targets)
         return sigsoftmax_target_log_probs(h, self.embedding[...], targets)
 
 
@@ -255,10 +299,16 @@ class MoSHead(Head):
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
 
+    def mixture(self, h, x0):
+        log_prior, contexts = _mos_parts(h, self.mos_proj[...], self.mos_prior[...])
+        return contexts, (self.embedding[...],), log_prior, ("sigsoftmax" if self.sig else None)
+
     def log_probs(self, h, x0):
         return mos_log_probs(h, self.embedding[...], self.mos_proj[...], self.mos_prior[...], self.sig)
 
     def target_log_probs(self, h, x0, targets):
+        if self.loss == "fused":
+            return self._fused_target(h, x0, targets)
         return mos_target_log_probs(
             h, self.embedding[...], self.mos_proj[...], self.mos_prior[...], targets, self.sig
         )
@@ -273,6 +323,9 @@ class InputGateHead(TwinHead):
 
     def gate_rows(self, tokens):
         return TwinHead.embed(self, tokens)  # the gate reads M[x], the body reads the gated mix
+
+    def mixture(self, h, x0):
+        return h, (self.merged(),), None, None
 
     def log_probs(self, h, x0):
         return standard_log_probs(h, self.merged())
@@ -291,6 +344,9 @@ class TwinInputOnlyHead(Head):
 
     def embed(self, tokens):
         return (_rows(self.A[...], tokens) + _rows(self.B[...], tokens)) * 0.5
+
+    def mixture(self, h, x0):
+        return h, (self.A[...],), None, None
 
     def log_probs(self, h, x0):
         return standard_log_probs(h, self.A[...])

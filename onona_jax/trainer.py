@@ -207,7 +207,8 @@ def loss_and_aux(graphdef, params, tokens, table: str | None = None, moe_coef: f
         loss = -jnp.mean(model.target_log_probs(inputs, targets, table=table))
         return loss, {"lm_loss": loss}
     h, x0, stats = model.forward(inputs)
-    loss = -jnp.mean(model.head.target_log_probs(h, x0, targets))
+    # The mean as per-token weights 1/N: the fused loss computes its gradients in the forward pass.
+    loss, _ = model.head.nll(h, x0, targets, jnp.full(targets.shape, 1.0 / targets.size, jnp.float32))
     aux = {"lm_loss": loss}
     if hasattr(model.head, "gate_probs"):
         g = model.head.gate_probs(inputs)
