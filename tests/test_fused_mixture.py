@@ -115,16 +115,17 @@ def test_gradient_through_log_p_falls_back_to_plain():
     args = MIXTURES["twin"](x)[:3]
     f = lambda h: jnp.sum(x["w"] * fm.mixture_nll(h, *args[1:], x["y"], x["w"], token_tile=16)[1])  # noqa: E731
     g = lambda h: jnp.sum(x["w"] * fm.plain_log_probs(h, *args[1:], x["y"]))  # noqa: E731
-    np.testing.assert_allclose(jax.grad(f)(args[0]), jax.grad(g)(args[0]), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(args[0]), jax.jit(jax.grad(g))(args[0]), rtol=0, atol=1e-6)
 
 
 def test_mixture_log_probs_gather_to_target():
     """The full-distribution reference agrees with the target path and normalises."""
     x = inputs(3)
     hs, tables, lw, score = MIXTURES["moss"](x)
-    full = fm.mixture_log_probs(hs, tables, lw, score=score)
+    full = jax.jit(functools.partial(fm.mixture_log_probs, score=score))(hs, tables, lw)
     np.testing.assert_allclose(jnp.exp(full).sum(-1), 1.0, atol=1e-5)
-    tgt = fm.mixture_nll(hs, tables, lw, x["y"], x["w"], score=score, token_tile=16)[1]
+    nll = jax.jit(functools.partial(fm.mixture_nll, score=score, token_tile=16))
+    tgt = nll(hs, tables, lw, x["y"], x["w"])[1]
     np.testing.assert_allclose(full[jnp.arange(N), x["y"]], tgt, rtol=0, atol=1e-5)
 
 
@@ -139,7 +140,7 @@ def test_mixture_rejects_bad_arguments():
 # ----------------------------------------------------------------------------- head modules
 
 
-HEADS = ("standard", "twin", "untied", "mos", "moss", "sigsoftmax", "input_gate", "twin_output_only")
+HEADS = ("standard", "twin", "untied", "mos", "moss", "sigsoftmax", "input_gate")
 
 
 def head_module(head, loss):
@@ -187,22 +188,33 @@ def test_head_nll_fused_equals_plain(head):
 # ----------------------------------------------------------------------------- memory
 
 
+def mos_step_temp_bytes(data_dir, loss):
+    """XLA's temporary bytes of the compiled tiny MoS train step, 16 × 64 tokens, one device."""
+    cfg = tiny_config(data_dir, "mos", global_batch=16, micro_batch=0)
+    cfg.mesh.data = 1
+    cfg.data.seq_len = 64
+    cfg.model.update(loss=loss, loss_token_tile=64)
+    run = trainer.setup(cfg, jax.devices()[:1])
+    state = trainer.abstract_train_state(run)
+    batch = jax.ShapeDtypeStruct((16, 65), jnp.int32, sharding=run.batch_sharding)
+    return trainer.make_train_step(run).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+ONE_LOGITS = 16 * 64 * 50304 * 4  # one [1,024 tokens, V] fp32 buffer: 206 MB
+
+
 def test_mos_train_step_holds_no_token_by_vocab_buffer(tiny_data):
     """The compiled fused MoS train step (tiny model, 16 × 64 = 1,024 tokens, V = 50,304,
-    K = 2, token tile 64) needs far less temporary memory than ONE [tokens, V] fp32 buffer
-    (206 MB); the plain MoS step needs more than one (it holds K of them and their
-    gradients), so the bound separates the two."""
-    one_logits = 16 * 64 * 50304 * 4
-    temp = {}
-    for loss in ("fused", "plain"):
-        cfg = tiny_config(tiny_data, "mos", global_batch=16, micro_batch=0)
-        cfg.mesh.data = 1
-        cfg.data.seq_len = 64
-        cfg.model.update(loss=loss, loss_token_tile=64)
-        run = trainer.setup(cfg, jax.devices()[:1])
-        state = trainer.abstract_train_state(run)
-        batch = jax.ShapeDtypeStruct((16, 65), jnp.int32, sharding=run.batch_sharding)
-        compiled = trainer.make_train_step(run).lower(state, batch).compile()
-        temp[loss] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp["fused"] < 0.5 * one_logits, temp
-    assert temp["plain"] > one_logits, temp
+    K = 2, token tile 64) needs less temporary memory than half of ONE [tokens, V] fp32
+    buffer, so none exists (measured: 81 MB, against 206 MB for one buffer; the plain MoS
+    step needs 866 MB, see the slow test below)."""
+    temp = mos_step_temp_bytes(tiny_data, "fused")
+    assert temp < 0.5 * ONE_LOGITS, temp
+
+
+@pytest.mark.slow
+def test_mos_memory_bound_separates_plain(tiny_data):
+    """The bound above can fail: the plain MoS step holds K [tokens, V] logits and their
+    gradients. Run: pytest -m slow tests/test_fused_mixture.py"""
+    temp = {loss: mos_step_temp_bytes(tiny_data, loss) for loss in ("fused", "plain")}
+    assert temp["fused"] < 0.5 * ONE_LOGITS < 2 * ONE_LOGITS < temp["plain"], temp
