@@ -477,7 +477,7 @@ def format_data(dt) -> str:
 # ----------------------------------------------------------------------------- decode
 
 
-def bench_decode(size, steps, log, batch=8, prompt_len=16, new_tokens=64):
+def bench_decode(size, steps, log, batch=8, prompt_len=16, new_tokens=64, only=None):
     """Decode tokens/s through `serving.Server.generate` (the serving path's own timing of
     its on-device decode loop, compile excluded), round-robin over modes, medians."""
     if importlib.util.find_spec("onona_jax.serving") is None:
@@ -494,8 +494,10 @@ def bench_decode(size, steps, log, batch=8, prompt_len=16, new_tokens=64):
         "standard/greedy": ("standard", dict(greedy=True)),
         "standard/sample": ("standard", dict(temperature=1.0)),
     }
+    if only:  # a subset of the modes (the device check's dry run)
+        modes = {m: v for m, v in modes.items() if m in only}
     servers = {}
-    for head in HEADS:
+    for head in sorted({h for h, _ in modes.values()}):
         cfg = make_config(size, head)
         _, params = model_lib.init(cfg.model, cfg.seed)
         servers[head] = Server(cfg, params, max_len=max(cfg.data.seq_len, prompt_len + new_tokens))

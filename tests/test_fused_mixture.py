@@ -97,7 +97,7 @@ def test_twin_saturated_gate():
     assert_matches(got, reference("twin", 1, 30.0))
 
 
-@pytest.mark.parametrize("name", ["twin", "moss", "standard"])
+@pytest.mark.parametrize("name", ["twin"])  # every head runs on this mesh in test_head_nll_fused_equals_plain
 def test_mixture_fused_sharded_vocabulary(name):
     """Mesh (data 2, fsdp 1, tensor 4): each device holds 24 of the 96 rows and 20 tokens
     (tiles of 8: a padded last tile); statistics combine across the vocab axis."""
