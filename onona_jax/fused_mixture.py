@@ -117,9 +117,9 @@ def plain_mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, 
 # ----------------------------------------------------------------------------- one shard
 
 
-def _tile_stats(hs, tables, lw, y, score, vocab, grads):
-    """One token tile on one shard: log p [T], and with `grads` the per-component pieces
-    the gradient needs (logits z_k, s'(z_k), lse_k, target mask) and the posteriors."""
+def _tile_stats(hs, tables, lw, y, score, vocab):
+    """One token tile on one shard: log p [T], the per-component pieces the gradient needs
+    (h_k, T_k, scores s_k, s'(z_k), lse_k), the posteriors and the target's local row."""
     K = hs.shape[1]
     V_local = tables[0].shape[0]
     offset = 0 if vocab is None else jax.lax.axis_index(vocab) * V_local
@@ -191,7 +191,7 @@ def _shard(hs, tables, lw, y, w, score, tile, vocab, batch, grads):
             h_in = jnp.broadcast_to(h_t, (t, len(tables_c), d))
         else:
             h_in = h_t
-        logp, comps, r, idx, owned = _tile_stats(h_in, tables_c, lw_t, y_t, score, vocab, grads)
+        logp, comps, r, idx, owned = _tile_stats(h_in, tables_c, lw_t, y_t, score, vocab)
         if not grads:
             return dT_acc, (logp,)
         dh, dTs, c = _tile_grads(comps, r, w_t, idx, owned, shared_h)
