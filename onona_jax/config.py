@@ -48,8 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
     m.scan_layers = True
     m.remat = "none"  # none | dots | full
     m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn
-    m.loss = "fused"  # fused: chunked over the vocabulary, custom VJP (fused.py) | plain
-    m.loss_chunk = 2048  # vocabulary rows per tile of the fused loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
+    m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
+    m.loss_token_tile = 1024  # tokens per tile (per device) of the fused loss
+    m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
     m.mos_components = 2  # K of the mos / moss heads
     m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
 
@@ -136,7 +137,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE")
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
     need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
-    need(m.loss in ("fused", "plain"), f"model.loss {m.loss!r}: fused or plain")
+    need(m.loss in ("fused", "fused_vocab", "plain"), f"model.loss {m.loss!r}: fused, fused_vocab or plain")
+    need(m.loss_token_tile > 0, f"model.loss_token_tile={m.loss_token_tile} must be positive")
     need(m.loss_chunk > 0, f"model.loss_chunk={m.loss_chunk} must be positive")
     pattern = models.layer_pattern(m)
     need(

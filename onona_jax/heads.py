@@ -5,12 +5,13 @@ input-embedding row x0 of the same position:
 
 * `embed(tokens)`            -> x0, what the decoder body reads,
 * `log_probs(h, x0)`         -> fp32 log-probabilities [..., V] (evaluation, parity tests),
-* `target_log_probs(h, x0, targets)` -> fp32 log p(target) [...] (the training loss).
+* `target_log_probs(h, x0, targets)` -> fp32 log p(target) [...] (evaluation),
+* `nll(h, x0, targets, weights)` -> the weighted training loss and log p(target).
 
-`target_log_probs` never builds a [tokens, V] log-probability tensor: it needs only the
-log-sum-exp of each table's logits and the target's logit. With `model.loss = "fused"` (the
-default) not even the logits exist whole: `loss.py` streams the vocabulary in tiles and
-recomputes them in the backward pass. Every reduction runs in fp32.
+Every head's output is a `Mixture` of softmax components, and the losses read only that.
+Neither builds a [tokens, V] log-probability tensor; with `model.loss = "fused"` (the
+default) not even the logits exist whole: `loss.py` computes them one tile of tokens at a
+time, with the gradients, in the forward pass. Every reduction runs in fp32.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from onona_jax import loss as loss_lib
+from onona_jax import loss_vocab
 from onona_jax.params import param
 
 # The paper's gate uses torch's `F.rms_norm(x0, (d,))` with eps=None, i.e. finfo(fp32).eps.
@@ -169,13 +171,19 @@ def mixture_log_probs(m: Mixture) -> jax.Array:
     return jax.nn.logsumexp(jnp.stack(parts, axis=-2) + m.log_weights[..., None], axis=-2)
 
 
-def mixture_target_log_probs(m: Mixture, targets, loss: str = "plain", chunk: int = 4096, layout=None):
-    """log p(target) [...] of a mixture: plainly (one component's logits at a time), or with
-    the fused chunked loss of `loss.py` (never more than a [tokens, chunk] tile of logits;
-    `layout` = `sharding.loss_layout(mesh)` splits the vocabulary over the mesh) where it
-    covers the mixture: components sharing h, without a score transform."""
-    if loss == "fused" and m.shared_h and m.score is None:
-        return loss_lib.target_log_probs(m.hs, m.tables, targets, m.log_weights, chunk, layout)
+def mixture_target_log_probs(m: Mixture, targets, loss: str = "plain", chunk: int = 4096, layout=None,
+                             token_tile: int = loss_lib.DEFAULT_TOKEN_TILE):
+    """log p(target) [...] of a mixture (`model.loss`): "fused", the token-tiled loss of
+    `loss.py` for every mixture; "fused_vocab", the vocabulary-tiled one of `loss_vocab.py`
+    (tiles of `chunk` rows) where it covers the mixture (components sharing h, no score
+    transform); "plain", one component's logits at a time. `layout` =
+    `sharding.loss_layout(mesh)` splits the vocabulary over the mesh."""
+    if loss == "fused":
+        zeros = jnp.zeros(targets.shape, jnp.float32)
+        return loss_lib.head_nll(m.hs, m.tables, m.log_weights, targets, zeros, score=m.score,
+                                 token_tile=token_tile, layout=layout)[1]
+    if loss == "fused_vocab" and m.shared_h and m.score is None:
+        return loss_vocab.target_log_probs(m.hs, m.tables, targets, m.log_weights, chunk, layout)
     K = 1 if m.log_weights is None else m.log_weights.shape[-1]
     parts = []
     for k in range(K):
@@ -194,11 +202,12 @@ def gate_log_weights(z: jax.Array) -> jax.Array:
     return jnp.stack([jax.nn.log_sigmoid(z), jax.nn.log_sigmoid(-z)], axis=-1)
 
 
-def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chunk: int = 4096, layout=None):
+def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chunk: int = 4096, layout=None,
+                           token_tile: int = loss_lib.DEFAULT_TOKEN_TILE):
     """log p(target) under softmax(h Tᵀ) (one table) or the gated mixture of two (z the gate
     logit); see `mixture_target_log_probs`."""
     lw = None if z is None else gate_log_weights(z)
-    return mixture_target_log_probs(Mixture(h, tuple(tables), lw), targets, loss, chunk, layout)
+    return mixture_target_log_probs(Mixture(h, tuple(tables), lw), targets, loss, chunk, layout, token_tile)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -258,7 +267,7 @@ class Head(nnx.Module):
     upcycles = False
 
     def __init__(self, cfg):
-        self.loss, self.chunk = cfg.loss, cfg.loss_chunk
+        self.loss, self.chunk, self.token_tile = cfg.loss, cfg.loss_chunk, cfg.loss_token_tile
 
     @classmethod
     def output_projections(cls, cfg) -> int:
@@ -270,7 +279,18 @@ class Head(nnx.Module):
 
     def target_log_probs(self, h, x0, targets, layout=None):
         """fp32 log p(target) [...], never a [..., V] log-probability tensor (`model.loss`)."""
-        return mixture_target_log_probs(self.mixture(h, x0), targets, self.loss, self.chunk, layout)
+        return mixture_target_log_probs(self.mixture(h, x0), targets, self.loss, self.chunk, layout, self.token_tile)
+
+    def nll(self, h, x0, targets, weights, layout=None):
+        """(Σ weights·(−log p(target)), log p(target)): the training loss with per-token
+        weights [...] (1/N for the mean). With `model.loss = "fused"` its gradients are
+        computed in the forward pass (`loss.mixture_nll`); `layout` shards it over the mesh."""
+        m = self.mixture(h, x0)
+        if self.loss == "fused":
+            return loss_lib.head_nll(m.hs, m.tables, m.log_weights, targets, weights, score=m.score,
+                                     token_tile=self.token_tile, layout=layout)
+        logp = mixture_target_log_probs(m, targets, self.loss, self.chunk, layout)
+        return -jnp.sum(weights.astype(jnp.float32) * logp), logp
 
     def fold(self) -> Folded | None:
         return None

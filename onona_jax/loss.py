@@ -1,23 +1,38 @@
-"""The fused, chunked output-layer loss: log p(target) for one table, or a two-table mixture
-with per-token log weights (the twin head), without materialising [tokens, V] logits.
+"""One fused output-layer loss for every head: a mixture of K softmax components with
+per-token log-weights, its gradients computed in the forward pass, tiled over tokens.
 
-The forward pass streams the vocabulary in chunks of `chunk` rows and keeps a running
-log-sum-exp per token (the online-softmax recurrence); the target's logit is one row dot
-product. The backward pass recomputes each chunk's logits from the saved log-sum-exp, so the
-largest temporary is one [tokens, chunk] tile per table, in fp32.
+Every head's next-token distribution is
 
-For a two-table mixture with log weights (w_A, w_B) (twin: logσ(z), logσ(−z)) and per-table
-log-probabilities lp_A, lp_B:
+    log p(y | n) = logsumexp_k ( lw_nk + log_softmax_v( s(h_nk · T_k,v) )[y] )
 
-    log p = logaddexp(lp_A + w_A, lp_B + w_B)
-    r_A = exp(lp_A + w_A − log p),  r_B = exp(lp_B + w_B − log p)   (component posteriors)
-    ∂log p/∂logits_A = r_A (onehot − softmax_A),  ∂log p/∂w_A = r_A
+* standard / untied / input-gate: K = 1, one table, lw absent;
+* twin: K = 2 over one shared h and tables (A, B), lw = (logσ(z), logσ(−z));
+* MoS / MoSS: K contexts h_nk = tanh(W_k h_n) over one shared table E, lw = log π_n;
+* sigsoftmax (and MoSS's components): the score s(z) = log(exp(z)σ(z)) = 2z − softplus(z).
 
-With the vocabulary sharded on a mesh axis (`vocab_axis`), each device streams its own rows
-and the running statistics combine across the axis (pmax / psum); the same holds for the
-target logit (only the owning shard contributes) and for ∂h. The layout is an argument
-(`sharding.loss_layout(mesh)`), never read from a context: whether the loss is sharded is
-decided by the caller's arguments alone.
+`mixture_nll` returns loss = Σ_n w_n·(−log p_n) for per-token weights w (1/N: the mean) and
+log p. Its custom VJP computes ∂hs, ∂tables and ∂lw in the FORWARD pass (Liger-Kernel's
+fused linear cross-entropy): for each tile of tokens, the logits over this device's rows of
+the vocabulary are computed once; their log-sum-exp (combined across vocabulary shards), the
+loss, the posteriors r_k = exp(lw_k + lp_k − log p) and
+
+    ∂L/∂s_k = −w r_k (onehot(y) − softmax(s_k)),   ∂L/∂lw_k = −w r_k,
+    ∂L/∂z_k = ∂L/∂s_k · s'(z_k)     (s'(z) = 1, or 2 − σ(z) for sigsoftmax)
+
+all come from them, and two matmuls of ∂L/∂z_k give that tile's ∂h_k and its share of ∂T_k
+(accumulated over tiles). The backward pass only scales these by the scalar cotangent of
+the loss, so training costs the plain loss's FLOPs (forward 2·V·d, ∂h 2·V·d, ∂T 2·V·d per
+token and component) with no recompute, and the largest temporary is one [token tile, V /
+shards] fp32 tile per component. Every reduction is fp32; matmul operands are in hs's dtype
+(the config's compute dtype) with fp32 accumulation.
+
+`layout` = (mesh, batch mesh axes, vocab mesh axis or None) runs the forward pass as one
+`jax.shard_map`: tokens split over the batch axes, table rows over the vocab axis; the
+per-token statistics combine across the vocab axis (pmax / psum), ∂h sums over it, and each
+table's gradient sums over the batch axes.
+
+log p is returned for evaluation. A gradient through it (rare: analysis, tests) is correct
+but not fused: it falls back to autodiff of the plain reference, which builds the logits.
 """
 
 from __future__ import annotations
@@ -27,191 +42,277 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import custom_derivatives as cd
 
 F32 = jnp.float32
+SCORES = (None, "sigsoftmax")
+DEFAULT_TOKEN_TILE = 1024
 
 
-def _chunks(table, chunk):
-    """[V, d] -> ([n, chunk, d] zero-padded, n). Padded rows are masked out by index."""
-    V, d = table.shape
-    n = max(1, math.ceil(V / chunk))
-    padded = jnp.pad(table, ((0, n * chunk - V), (0, 0)))
-    return padded.reshape(n, chunk, d), n
+# ----------------------------------------------------------------------------- plain reference
 
 
-def _chunk_logits(h, Tc, start, V):
-    logits = jnp.einsum("nd,vd->nv", h, Tc.astype(h.dtype), preferred_element_type=F32)
-    valid = (start + jnp.arange(Tc.shape[0])) < V
-    return jnp.where(valid[None, :], logits, -jnp.inf)
+def _score(z, score):
+    """(s(z), s'(z)) in fp32; s'(z) is None for the identity score."""
+    if score is None:
+        return z, None
+    return 2.0 * z - jax.nn.softplus(z), 2.0 - jax.nn.sigmoid(z)
 
 
-def _lse(h, table, chunk, axis):
-    """log Σ_v exp(h·T_v) per token, over this shard's rows, combined across `axis`."""
-    V = table.shape[0]
-    tiles, n = _chunks(table, chunk)
-
-    def body(carry, inputs):
-        m, s = carry
-        i, Tc = inputs
-        logits = _chunk_logits(h, Tc, i * chunk, V)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[:, None]), axis=-1)
-        return (m_new, s), None
-
-    init = (jnp.full(h.shape[:1], -jnp.inf, F32), jnp.zeros(h.shape[:1], F32))
-    (m, s), _ = jax.lax.scan(body, init, (jnp.arange(n), tiles))
-    if axis is not None:
-        m_all = jax.lax.pmax(m, axis)
-        s = jax.lax.psum(s * jnp.exp(m - m_all), axis)
-        m = m_all
-    return m + jnp.log(s)
+def _check(hs, tables, log_weights, score):
+    """K (number of components), validated against the arguments."""
+    tables = tuple(tables)
+    if score not in SCORES:
+        raise ValueError(f"score {score!r}: choose one of {SCORES}")
+    if hs.ndim not in (2, 3):
+        raise ValueError(f"hs must be [N, d] or [N, K, d], got shape {hs.shape}")
+    K = hs.shape[1] if hs.ndim == 3 else len(tables)
+    if len(tables) not in (1, K) or (hs.ndim == 3 and len(tables) != 1 and hs.shape[1] != len(tables)):
+        raise ValueError(f"{len(tables)} tables for {K} components: pass one table or one per component")
+    if (log_weights is None) != (K == 1):
+        raise ValueError(f"log_weights: None exactly when K = 1 (K = {K})")
+    if log_weights is not None and log_weights.shape != (hs.shape[0], K):
+        raise ValueError(f"log_weights shape {log_weights.shape}, expected {(hs.shape[0], K)}")
+    return K, tables
 
 
-def _local_targets(table, targets, axis):
-    """(row index into this shard, mask of tokens whose target lives on this shard)."""
-    V = table.shape[0]
-    offset = 0 if axis is None else jax.lax.axis_index(axis) * V
-    local = targets - offset
-    owned = (local >= 0) & (local < V)
-    return jnp.where(owned, local, 0), owned
+def _component(hs, tables, k):
+    h = hs[:, k] if hs.ndim == 3 else hs
+    return h, tables[k if len(tables) > 1 else 0]
 
 
-def _target_logit(h, table, targets, axis):
-    rows, owned = _local_targets(table, targets, axis)
-    t = jnp.einsum("nd,nd->n", h, table[rows].astype(h.dtype), preferred_element_type=F32)
-    t = jnp.where(owned, t, 0.0)
-    return t if axis is None else jax.lax.psum(t, axis)
+def mixture_log_probs(hs, tables, log_weights, *, score=None):
+    """Full fp32 log-probabilities [N, V] of the mixture (evaluation and parity tests)."""
+    K, tables = _check(hs, tables, log_weights, score)
+    comps = []
+    for k in range(K):
+        h, T = _component(hs, tables, k)
+        z = jnp.einsum("nd,vd->nv", h, T.astype(h.dtype), preferred_element_type=F32)
+        comps.append(jax.nn.log_softmax(_score(z, score)[0], axis=-1))
+    if K == 1:
+        return comps[0]
+    return jax.nn.logsumexp(log_weights.astype(F32)[:, :, None] + jnp.stack(comps, axis=1), axis=1)
 
 
-def _forward(h, tables, z, targets, chunk, axis):
-    """z: None (one table) or the [N, 2] log weights of the two tables."""
-    lps = [_target_logit(h, T, targets, axis) - _lse(h, T, chunk, axis) for T in tables]
-    if len(tables) == 1:
-        return lps[0], lps
-    return jnp.logaddexp(lps[0] + z[:, 0], lps[1] + z[:, 1]), lps
+def plain_log_probs(hs, tables, log_weights, targets, *, score=None):
+    """log p(targets) [N] through whole [N, V] logits per component (autodiff reference)."""
+    K, tables = _check(hs, tables, log_weights, score)
+    lps = []
+    for k in range(K):
+        h, T = _component(hs, tables, k)
+        z = jnp.einsum("nd,vd->nv", h, T.astype(h.dtype), preferred_element_type=F32)
+        s = _score(z, score)[0]
+        lps.append(jnp.take_along_axis(s, targets[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(s, axis=-1))
+    if K == 1:
+        return lps[0]
+    return jax.nn.logsumexp(log_weights.astype(F32) + jnp.stack(lps, axis=1), axis=1)
 
 
-def _table_grads(h, table, lse, coef, targets, chunk, axis):
-    """∂/∂h and ∂/∂T of Σ_n coef_n · log_softmax(h_n Tᵀ)[target_n]."""
-    V, d = table.shape
-    tiles, n = _chunks(table, chunk)
-
-    def body(dh, inputs):
-        i, Tc = inputs
-        p = jnp.exp(_chunk_logits(h, Tc, i * chunk, V) - lse[:, None])  # 0 on padding
-        dlogits = -coef[:, None] * p
-        dh = dh + jnp.einsum("nv,vd->nd", dlogits, Tc.astype(F32))
-        dT = jnp.einsum("nv,nd->vd", dlogits, h.astype(F32))
-        return dh, dT
-
-    dh, dT = jax.lax.scan(body, jnp.zeros(h.shape, F32), (jnp.arange(n), tiles))
-    dT = dT.reshape(n * chunk, d)[:V]
-    rows, owned = _local_targets(table, targets, axis)  # the one-hot term
-    c = jnp.where(owned, coef, 0.0)
-    dh = dh + c[:, None] * table[rows].astype(F32)
-    dT = dT.at[rows].add(c[:, None] * h.astype(F32))
-    return dh, dT
+def plain_mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=None, layout=None):
+    """`mixture_nll` by plain autodiff (parity reference; token_tile and layout are ignored)."""
+    logp = plain_log_probs(hs, tables, log_weights, targets, score=score)
+    return -jnp.sum(weights.astype(F32) * logp), logp
 
 
-def _backward(h, tables, z, targets, lses, lps, logp, g, chunk, axis, batch_axes):
-    """Gradients of Σ g·log p. Under shard_map, ∂h sums over the vocabulary shards and each
-    table's gradient over the batch shards (`batch_axes`)."""
-    g = g.astype(F32)
-    if len(tables) == 1:
-        coefs, dz = [g], None
+# ----------------------------------------------------------------------------- one shard
+
+
+def _tile_stats(hs, tables, lw, y, score, vocab):
+    """One token tile on one shard: log p [T], the per-component pieces the gradient needs
+    (h_k, T_k, scores s_k, s'(z_k), lse_k), the posteriors and the target's local row."""
+    K = hs.shape[1]
+    V_local = tables[0].shape[0]
+    offset = 0 if vocab is None else jax.lax.axis_index(vocab) * V_local
+    local = y - offset
+    owned = (local >= 0) & (local < V_local)
+    idx = jnp.where(owned, local, 0)
+    comps, lps = [], []
+    for k in range(K):
+        h, T = _component(hs, tables, k)
+        z = jnp.einsum("td,vd->tv", h, T, preferred_element_type=F32)  # the tile's logits, once
+        s, ds = _score(z, score)
+        m = jnp.max(s, axis=-1)
+        if vocab is not None:
+            m = jax.lax.pmax(m, vocab)
+        se = jnp.sum(jnp.exp(s - m[:, None]), axis=-1)
+        st = jnp.where(owned, jnp.take_along_axis(s, idx[:, None], axis=-1)[:, 0], 0.0)
+        if vocab is not None:
+            se, st = jax.lax.psum((se, st), vocab)
+        lse = m + jnp.log(se)
+        lps.append(st - lse)
+        comps.append((h, T, s, ds, lse))
+    lps = jnp.stack(lps, axis=1)  # [T, K]
+    if lw is None:
+        logp = lps[:, 0]
+        r = jnp.ones_like(lps)
     else:
-        r_a = jnp.exp(lps[0] + z[:, 0] - logp)
-        r_b = jnp.exp(lps[1] + z[:, 1] - logp)
-        coefs = [g * r_a, g * r_b]
-        dz = jnp.stack([g * r_a, g * r_b], axis=-1)
-    dh = jnp.zeros(h.shape, F32)
-    dtables = []
-    for T, lse, c in zip(tables, lses, coefs):
-        dh_t, dT = _table_grads(h, T, lse, c, targets, chunk, axis)
-        dh = dh + dh_t
-        if batch_axes:
-            dT = jax.lax.psum(dT, batch_axes)
-        dtables.append(dT.astype(T.dtype))
-    if axis is not None:
-        dh = jax.lax.psum(dh, axis)
-    return dh.astype(h.dtype), tuple(dtables), dz
+        joint = lw + lps
+        logp = jax.nn.logsumexp(joint, axis=1)
+        r = jnp.exp(joint - logp[:, None])  # component posteriors, Σ_k r_k = 1
+    return logp, comps, r, idx, owned
 
 
-def _residuals(h, tables, z, targets, chunk, axis):
-    logp, lps = _forward(h, tables, z, targets, chunk, axis)
-    lses = tuple(_target_logit(h, T, targets, axis) - lp for T, lp in zip(tables, lps))
-    return logp, tuple(lps), lses
+def _tile_grads(comps, r, w, idx, owned, shared_h):
+    """∂L/∂h (per component, or summed for a shared h) and each component's ∂T for one
+    tile, where L = Σ_t w_t·(−log p_t); and ∂L/∂lw = −w r."""
+    c = -w[:, None] * r  # ∂L/∂lp_k
+    dhs, dTs = [], []
+    for k, (h, T, s, ds, lse) in enumerate(comps):
+        p = jnp.exp(s - lse[:, None])
+        onehot = (jnp.arange(s.shape[1])[None, :] == idx[:, None]) & owned[:, None]
+        dz = c[:, k, None] * (onehot.astype(F32) - p)
+        if ds is not None:
+            dz = dz * ds
+        dz = dz.astype(h.dtype)
+        dhs.append(jnp.einsum("tv,vd->td", dz, T, preferred_element_type=F32))
+        dTs.append(jnp.einsum("tv,td->vd", dz, h, preferred_element_type=F32))
+    dh = functools.reduce(jnp.add, dhs)[:, None] if shared_h else jnp.stack(dhs, axis=1)
+    return dh, dTs, c
 
 
-# `layout` is None (plain arrays) or (mesh, batch axes, vocab axis): then forward and backward
-# each run as one shard_map, and autodiff never differentiates through shard_map itself.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused(h, tables, z, targets, chunk, layout):
-    return _fused_fwd(h, tables, z, targets, chunk, layout)[0]
+def _shard(hs, tables, lw, y, w, score, tile, vocab, batch, grads):
+    """The fused loss over this device's tokens and vocabulary rows. hs: [n, K', d] (K' = 1
+    for a shared h). Returns (loss, log p, ∂hs, ∂tables, ∂lw); the gradients are None
+    without `grads`."""
+    n, Kh, d = hs.shape
+    shared_h = Kh == 1
+    cdt = hs.dtype
+    tables_c = tuple(T.astype(cdt) for T in tables)  # one cast of each table, outside the tile loop
+    t = min(tile, n)
+    n_tiles = math.ceil(n / t)
+    pad = n_tiles * t - n
+    padt = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(n_tiles, t, *x.shape[1:])  # noqa: E731
+    w = w.astype(F32)
+    xs = (padt(hs), None if lw is None else padt(lw.astype(F32)), padt(y), padt(w))  # padding has w = 0
+
+    def body(dT_acc, x):
+        h_t, lw_t, y_t, w_t = x
+        if shared_h and len(tables_c) > 1:  # twin: one h, K tables
+            h_in = jnp.broadcast_to(h_t, (t, len(tables_c), d))
+        else:
+            h_in = h_t
+        logp, comps, r, idx, owned = _tile_stats(h_in, tables_c, lw_t, y_t, score, vocab)
+        if not grads:
+            return dT_acc, (logp,)
+        dh, dTs, c = _tile_grads(comps, r, w_t, idx, owned, shared_h)
+        if len(tables_c) == 1:  # one table shared by every component: its gradients add
+            dTs = [functools.reduce(jnp.add, dTs)]
+        dT_acc = tuple(a + g for a, g in zip(dT_acc, dTs))
+        return dT_acc, (logp, dh, None if lw is None else c)
+
+    init = tuple(jnp.zeros(T.shape, F32) for T in tables) if grads else ()
+    dT, out = jax.lax.scan(body, init, xs)
+    unpad = lambda x: x.reshape(n_tiles * t, *x.shape[2:])[:n]  # noqa: E731
+    logp = unpad(out[0])
+    loss = -jnp.sum(w * logp)
+    if batch:
+        loss = jax.lax.psum(loss, batch)
+    if not grads:
+        return loss, logp, None, None, None
+    dhs = unpad(out[1])
+    if vocab is not None:
+        dhs = jax.lax.psum(dhs, vocab)
+    if batch:
+        dT = jax.lax.psum(dT, batch)
+    dlw = None if lw is None else unpad(out[2])
+    return loss, logp, dhs.astype(cdt), tuple(g.astype(T.dtype) for g, T in zip(dT, tables)), dlw
 
 
-def _specs(layout, n_tables, has_z):
+def _run(hs, tables, lw, y, w, score, tile, layout, grads):
+    """`_shard` on plain arrays, or as one shard_map over `layout`. hs is [N, K', d]."""
+    if layout is None:
+        return _shard(hs, tables, lw, y, w, score, tile, None, None, grads)
     mesh, batch, vocab = layout
     P = jax.sharding.PartitionSpec
-    row, tok = P(batch, None), P(batch)
-    return row, tok, tuple(P(vocab, None) for _ in range(n_tables))
+    rows, tok, tab = P(batch, None, None), P(batch), P(vocab, None)
+    tok2 = P(batch, None)
+    has_lw = lw is not None
+
+    def fn(hs, tables, y, w, lw=None):
+        out = _shard(hs, tables, lw, y, w, score, tile, vocab, batch, grads)
+        return out if grads else out[:2]
+
+    args = (hs, tables, y, w) + ((lw,) if has_lw else ())
+    in_specs = (rows, tuple(tab for _ in tables), tok, tok) + ((tok2,) if has_lw else ())
+    out_specs = (P(), tok)
+    if grads:
+        out_specs += (rows, tuple(tab for _ in tables), tok2 if has_lw else None)
+    out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    return out if grads else (*out, None, None, None)
 
 
-def _weights_spec(layout):
-    return jax.sharding.PartitionSpec(layout[1], None)
+# ----------------------------------------------------------------------------- custom VJP
 
 
-def _fused_fwd(h, tables, z, targets, chunk, layout):
-    if layout is None:
-        logp, lps, lses = _residuals(h, tables, z, targets, chunk, None)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _nll(hs, tables, lw, y, w, score, tile, layout):
+    loss, logp, *_ = _run(hs, tables, lw, y, w, score, tile, layout, grads=False)
+    return loss, logp
+
+
+def _value(x):
+    return x.value if isinstance(x, cd.CustomVJPPrimal) else x
+
+
+def _nll_fwd(hs, tables, lw, y, w, score, tile, layout):
+    hs, lw, y, w = map(_value, (hs, lw, y, w))
+    tables = jax.tree.map(_value, tables, is_leaf=lambda x: isinstance(x, cd.CustomVJPPrimal))
+    loss, logp, dhs, dtables, dlw = _run(hs, tables, lw, y, w, score, tile, layout, grads=True)
+    # hs, tables and lw are kept for the rare gradient through log p (they are live anyway).
+    return (loss, logp), (dhs, dtables, dlw, hs, tables, lw, y)
+
+
+def _nll_bwd(score, tile, layout, res, cts):
+    dhs, dtables, dlw, hs, tables, lw, y = res
+    g_loss, g_logp = cts
+    scale = lambda x: None if x is None else (x.astype(F32) * g_loss).astype(x.dtype)  # noqa: E731
+    if isinstance(g_loss, cd.SymbolicZero):
+        out = [jnp.zeros_like(hs), tuple(jnp.zeros_like(T) for T in tables), None if lw is None else jnp.zeros_like(lw)]
     else:
-        mesh, _, vocab = layout
-        row, tok, tab = _specs(layout, len(tables), z is not None)
-        n = len(tables)
-        fn = lambda h, t, y, z: _residuals(h, t, z, y, chunk, vocab)  # noqa: E731
-        logp, lps, lses = jax.shard_map(
-            fn, mesh=mesh, in_specs=(row, tab, tok, None if z is None else _weights_spec(layout)),
-            out_specs=(tok, (tok,) * n, (tok,) * n), check_vma=False,
-        )(h, tables, targets, z)
-    return logp, (h, tables, z, targets, lses, lps, logp)
+        g_loss = g_loss.astype(F32)
+        out = [scale(dhs), tuple(scale(g) for g in dtables), scale(dlw)]
+    if not isinstance(g_logp, cd.SymbolicZero):  # not fused: autodiff of the plain reference
+        def lp(hs, tables, lw):
+            h = hs[:, 0] if hs.shape[1] == 1 else hs
+            return plain_log_probs(h, tables, lw, y, score=score)
+
+        _, vjp = jax.vjp(lp, hs, tables, lw)
+        extra = vjp(g_logp.astype(F32))
+        out = [out[0] + extra[0], tuple(a + b for a, b in zip(out[1], extra[1])),
+               None if lw is None else out[2] + extra[2]]
+    return (*out, None, None)
 
 
-def _fused_bwd(chunk, layout, res, g):
-    h, tables, z, targets, lses, lps, logp = res
-    if layout is None:
-        dh, dtables, dz = _backward(h, tables, z, targets, lses, lps, logp, g, chunk, None, None)
-    else:
-        mesh, batch, vocab = layout
-        row, tok, tab = _specs(layout, len(tables), z is not None)
-        n = len(tables)
-        fn = lambda h, t, z, y, ls, lp, lg, g: _backward(h, t, z, y, ls, lp, lg, g, chunk, vocab, batch)  # noqa: E731
-        dh, dtables, dz = jax.shard_map(
-            fn, mesh=mesh,
-            in_specs=(row, tab, None if z is None else _weights_spec(layout), tok, (tok,) * n, (tok,) * n, tok, tok),
-            out_specs=(row, tab, None if z is None else _weights_spec(layout)), check_vma=False,
-        )(h, tables, z, targets, lses, lps, logp, g)
-    return dh, dtables, (None if z is None else dz.astype(z.dtype)), None
+_nll.defvjp(_nll_fwd, _nll_bwd, symbolic_zeros=True)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+def mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=DEFAULT_TOKEN_TILE,
+                layout=None):
+    """(loss, log p): loss = Σ_n weights_n·(−log p_n) (scalar fp32, differentiable; its
+    gradients are computed in the forward pass), log p [N] fp32.
+
+    hs: [N, d] (one hidden state for every component) or [N, K, d] (one per component);
+    tables: K tables [V, d], or one shared by the K components; log_weights: [N, K] log
+    mixture weights, None for K = 1; targets [N] int; weights [N] per-token loss weights;
+    score: None or "sigsoftmax"; token_tile: tokens per tile (per device); layout: None or
+    (mesh, batch mesh axes, vocab mesh axis or None)."""
+    K, tables = _check(hs, tables, log_weights, score)
+    if token_tile <= 0:
+        raise ValueError(f"token_tile={token_tile} must be positive")
+    hs3 = hs[:, None] if hs.ndim == 2 else hs
+    lw = None if log_weights is None else log_weights.astype(F32)
+    return _nll(hs3, tables, lw, targets, weights.astype(F32), score, int(token_tile), layout)
 
 
-def target_log_probs(h, tables, targets, z=None, chunk: int = 4096, layout=None):
-    """fp32 log p(targets) for one table (`tables=(E,)`) or a two-table mixture (`tables=(A, B)`
-    and `z`: the gate logit [...] (twin: weights σ(±z)) or the log weights [..., 2]).
-    h: [..., d]; targets: [...]. `layout` = (mesh, batch axes, vocab axis) from
-    `sharding.loss_layout` runs each pass as a shard_map with the vocabulary split over the
-    vocab axis; None: plain arrays."""
-    tables = tuple(tables)
-    if len(tables) not in (1, 2) or (len(tables) == 2) != (z is not None):
-        raise ValueError("pass one table, or two tables and a gate logit z (or log weights)")
+def head_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=DEFAULT_TOKEN_TILE,
+             layout=None):
+    """`mixture_nll` for a head's arrays with leading dims (hs [..., (K,) d], log_weights
+    [..., K], targets and weights [...]); log p keeps the leading dims. `layout`:
+    `sharding.loss_layout(mesh)` or None (an argument, never read from a context)."""
     lead = targets.shape
-    flat_h = h.reshape(-1, h.shape[-1])
-    flat_z = None
-    if z is not None:
-        z = z.astype(F32)
-        if z.shape == lead:  # a gate logit: log weights logσ(±z)
-            z = jnp.stack([jax.nn.log_sigmoid(z), jax.nn.log_sigmoid(-z)], axis=-1)
-        flat_z = z.reshape(-1, 2)
-    out = _fused(flat_h, tables, flat_z, targets.reshape(-1), chunk, layout)
-    return out.reshape(lead)
+    n = math.prod(lead)
+    flat = lambda x, tail: None if x is None else x.reshape(n, *x.shape[x.ndim - tail:])  # noqa: E731
+    hs_tail = 1 if (hs.ndim == len(lead) + 1) else 2
+    loss, logp = mixture_nll(flat(hs, hs_tail), tables, flat(log_weights, 1), targets.reshape(n),
+                             weights.reshape(n), score=score, token_tile=token_tile, layout=layout)
+    return loss, logp.reshape(lead)

@@ -22,7 +22,9 @@ def loss_and_aux(graphdef, params, tokens, cfg_model, layout=None):
     model = models.bind(graphdef, params)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     h, x0, stats = model.forward(inputs)
-    loss = -jnp.mean(model.head.target_log_probs(h, x0, targets, layout))
+    # The mean as per-token weights 1/N: the fused loss computes its gradients in the forward pass.
+    weights = jnp.full(targets.shape, 1.0 / targets.size, jnp.float32)
+    loss, _ = model.head.nll(h, x0, targets, weights, layout)
     aux = {"lm_loss": loss}
     if model.head.gated:
         g = model.head.gate_probs(inputs)

@@ -1,0 +1,186 @@
+"""One prepared accelerator run (scripts/device_check.sh): 142M Dense standard and twin train
+steps at the paper's micro-batch (16 × 1,024, bf16, one device) with
+
+* the fused loss (token-tiled, gradients in the forward pass: loss.py), XLA and
+  cuDNN attention,
+* the vocabulary-tiled fused_vocab loss (loss_vocab.py) at two vocabulary chunks,
+* the plain loss,
+
+each: tokens/s, model TFLOP/s and MFU (summary.flops_per_token, no recompute, against
+trainer.PEAK_TFLOPS), XLA's memory_analysis of the compiled step (temp + arguments + outputs
+− aliased: the step's peak device memory as XLA plans it) and the device allocator's peak
+(`memory_stats`, where the backend has one); then decode tokens/s (two- vs one-projection
+sampling, greedy) through serving.Server. Writes device_check.json and device_check.md into
+--out_dir after every variant, so a run cut short keeps what it measured. Variants run one
+after another (compile, warm-up, timed steps); once --budget_s has passed the rest are
+recorded as skipped, so the run fits its slot.
+
+    python benchmarks/device_check.py --out_dir=DIR [--steps=20] [--budget_s=420] [--dry_run]
+
+--dry_run: tiny shapes (2 × 32 tokens, 2 steps) on whatever backend is here (CPU in the test
+suite): every variant's config is built and validated, one variant (twin/fused) is compiled
+and stepped through the same code as every other, and decoding runs 4 tokens; with
+--dry_run_all every variant the backend can run is compiled and stepped. So the script cannot fail for a typo when a GPU is finally at hand.
+cuDNN attention needs a GPU: elsewhere it is recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+import bench  # benchmarks/bench.py, beside this script
+from onona_jax import train as trainer
+
+GIB = 2.0 ** 30
+HEADS = ("standard", "twin")
+CHUNKS = (2048, 8192)  # fused_vocab's vocabulary rows per tile: the default and a larger one
+
+
+def variants():
+    """(name, loss, chunk, attention) per head, in run order (the issue's list)."""
+    out = [("fused", "fused", None, None), ("fused+cudnn", "fused", None, "cudnn")]
+    out += [(f"fused_vocab@{c}", "fused_vocab", c, None) for c in CHUNKS]
+    out += [("plain", "plain", None, None)]
+    return out
+
+
+def peak_allocated():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+DRY_RUN_STEPPED = ("twin/fused",)
+
+
+def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, config_only=False):
+    overrides = {"model.attention_impl": attention} if attention else {}
+    bench.OVERRIDES.clear()
+    bench.OVERRIDES.update(overrides)
+    cfg = bench.make_config(size, head, loss, chunk, batch, seq)
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        return {"status": f"skipped (cuDNN attention needs a GPU; backend {jax.default_backend()})"}
+    if config_only:
+        return {"status": "dry run: config validated, not compiled"}
+    t0 = time.perf_counter()
+    run, lowered = bench.lower_step(cfg)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    mem = bench.memory_stats(compiled)
+    state = trainer.init_state(run, cfg.seed)
+    b = trainer.global_batch(run, tokens)
+    for _ in range(2):  # warm-up: first-call allocation and autotuning
+        state, m = compiled(state, b)
+    jax.block_until_ready((state, m))
+    times = []
+    for _ in range(steps):
+        t1 = time.perf_counter()
+        state, m = compiled(state, b)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t1)
+    med = statistics.median(times)
+    flops = bench.model_flops_per_token(cfg) * batch * seq
+    peak = trainer.peak_tflops(cfg)
+    tflops = flops / med / 1e12
+    del state
+    return {"status": "measured", "compile_s": compile_s, "median_s": med, "min_s": min(times),
+            "tokens_per_s": batch * seq / med, "model_tflops_per_s": tflops,
+            "mfu": tflops / peak if peak else None, "loss": float(m["loss"]),
+            "xla_peak_gib": (mem["temp_gib"] + mem["argument_gib"] + mem["output_gib"] - mem["alias_gib"]),
+            "xla_temp_gib": mem["temp_gib"], "allocator_peak_gib": (peak_allocated() or 0) / GIB or None}
+
+
+def markdown(res) -> str:
+    m = res["machine"]
+    lines = [f"# device check, {res['date']}", "",
+             f"{m['device']} ({m['backend']}), jax {m['jax']}; {res['size']} Dense, micro-batch "
+             f"{res['batch']} × {res['seq_len']}, {res['steps']} timed steps after 2 warm-up"
+             + (" — DRY RUN (tiny shapes)" if res["dry_run"] else ""), "",
+             "| head | variant | tokens/s | MFU | median step ms | XLA peak GiB | XLA temp GiB | allocator peak GiB | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["train"].items():
+        head, variant = name.split("/", 1)
+        if r["status"] != "measured":
+            lines.append(f"| {head} | {variant} | {r['status']} | | | | | | |")
+            continue
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        alloc = "n/a" if not r["allocator_peak_gib"] else f"{r['allocator_peak_gib']:.2f}"
+        lines.append(f"| {head} | {variant} | {r['tokens_per_s']:,.0f} | {mfu} | {1e3 * r['median_s']:.1f} | "
+                     f"{r['xla_peak_gib']:.2f} | {r['xla_temp_gib']:.2f} | {alloc} | {r['compile_s']:.0f} |")
+    dc = res.get("decode") or {}
+    lines += ["", "| decode mode | decode tokens/s | incl. prefill |", "|---|---|---|"]
+    if dc.get("status") == "measured":
+        for mode, r in dc["rows"].items():
+            lines.append(f"| {mode} | {r['decode_tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} |")
+        lines.append(f"| one/two-projection sampling | {dc['one/two_projection']:.3f} × | |")
+    else:
+        lines.append(f"| {dc.get('status', 'not run')} | | |")
+    return "\n".join(lines) + "\n"
+
+
+def write(res, out_dir):
+    with open(os.path.join(out_dir, "device_check.json"), "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    with open(os.path.join(out_dir, "device_check.md"), "w") as f:
+        f.write(markdown(res))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out_dir", required=True)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--budget_s", type=float, default=420.0, help="no new variant starts after this")
+    ap.add_argument("--decode_rounds", type=int, default=5)
+    ap.add_argument("--dry_run", action="store_true", help="tiny shapes, 2 steps (CPU test of this script)")
+    ap.add_argument("--dry_run_all", action="store_true", help="with --dry_run: compile and step every variant")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.budget_s <= 0:
+        print("error: --steps must be ≥ 1 and --budget_s positive", file=sys.stderr)
+        return 2
+    os.makedirs(args.out_dir, exist_ok=True)
+    size, batch, seq, steps = ("tiny", 2, 32, 2) if args.dry_run else ("142m", 16, 1024, args.steps)
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python benchmarks/device_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "dry_run": args.dry_run, "size": size, "batch": batch, "seq_len": seq, "steps": steps,
+           "machine": {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                       "jax": jax.__version__}, "train": {}, "decode": None}
+    from onona_jax.data import pipeline
+
+    tokens = np.asarray(next(pipeline.train_batches(bench.prepared_data(seq), seq, batch)))
+    for head in HEADS:
+        for name, loss, chunk, attention in variants():
+            key = f"{head}/{name}"
+            if time.perf_counter() - t_start > args.budget_s:
+                res["train"][key] = {"status": f"skipped (time budget {args.budget_s:.0f} s spent)"}
+            else:
+                config_only = args.dry_run and not args.dry_run_all and key not in DRY_RUN_STEPPED
+                res["train"][key] = run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens,
+                                                config_only)
+            r = res["train"][key]
+            log(f"  {key}: " + (f"{r['tokens_per_s']:,.0f} tokens/s" if r["status"] == "measured" else r["status"]))
+            write(res, args.out_dir)
+    bench.OVERRIDES.clear()
+    if time.perf_counter() - t_start > args.budget_s:
+        res["decode"] = {"status": f"skipped (time budget {args.budget_s:.0f} s spent)"}
+    else:
+        res["decode"] = (bench.bench_decode(size, 1, log, batch=2, prompt_len=4, new_tokens=4,
+                                            only=("twin/sample_two_projection", "twin/sample_one_projection")) if args.dry_run
+                         else bench.bench_decode(size, max(args.decode_rounds, 3), log))
+    res["elapsed_s"] = time.perf_counter() - t_start
+    write(res, args.out_dir)
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
