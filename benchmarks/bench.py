@@ -2,7 +2,7 @@
 
     python benchmarks/bench.py [--size=142m|small|tiny] [--steps=5] [--output=bench.json]
         [--time_size=small] [--chunks=2048,4096,8192,16384] [--remat=none,full]
-        [--sections=memory,flops,time,data,decode] [--override model.attention_impl=cudnn]
+        [--sections=memory,flops,time,data,decode] [--config.model.attention_impl=cudnn]
 
 Sections (each a table on stdout and a key of the JSON output):
 
@@ -39,8 +39,6 @@ Sections (each a table on stdout and a key of the JSON output):
 
 from __future__ import annotations
 
-import argparse
-import ast
 import datetime
 import json
 import os
@@ -55,6 +53,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from absl import flags
+
+from onona_jax import cli
 from onona_jax import config as config_lib
 from onona_jax import summary
 from onona_jax import train as trainer
@@ -76,17 +77,7 @@ PAPER_142M_TWIN_TOKENS_PER_S = 422_000  # 2×H100 (SPEC §6)
 # ----------------------------------------------------------------------------- configs
 
 
-OVERRIDES: dict = {}  # --override key=value, applied to every config (e.g. model.attention_impl)
-
-
-def parse_override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--override {text!r}: expected key=value")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
+OVERRIDES: dict = {}  # --config.<key>=value overrides, applied to every config (e.g. model.attention_impl)
 
 
 def make_config(size, head, loss="fused", chunk=None, batch=None, seq=None, scan=True, remat=None, token_tile=None):
@@ -576,50 +567,58 @@ def targets(res) -> dict:
     mfu = tm["rows"]["twin/fused"]["mfu"] if tm else None
     if "H200" not in jax.devices()[0].device_kind:
         out[key] = {"value": mfu, "status": f"not measured (no H200 here: {jax.devices()[0].device_kind}; "
-                                            "run scripts/gpu_mfu.sh on one)"}
+                                            "run scripts/device_check.sh on one)"}
     elif not tm or tm["size"] != "142m" or mfu is None:
-        out[key] = {"value": mfu, "status": "not measured (time the 142m size: scripts/gpu_mfu.sh)"}
+        out[key] = {"value": mfu, "status": "not measured (time the 142m size: scripts/device_check.sh)"}
     else:
         out[key] = {"value": mfu, "status": "met" if mfu >= H200_TARGET_MFU else "not met"}
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="142m", choices=("142m", "small", "tiny", "330m", "1b"),
-                    help="memory and FLOP shapes")
-    ap.add_argument("--micro_batch", type=int, default=16, help="rows per step for memory/FLOPs")
-    ap.add_argument("--seq_len", type=int, default=1024, help="sequence length for memory/FLOPs")
-    ap.add_argument("--time_size", default="small", choices=("142m", "small", "tiny", "330m", "1b"))
-    ap.add_argument("--time_batch", type=int, default=0, help="0: the time size's own global batch")
-    ap.add_argument("--time_seq", type=int, default=0, help="0: the time size's own seq_len")
-    ap.add_argument("--steps", type=int, default=5, help="timed round-robin rounds")
-    ap.add_argument("--chunks", default="2048,4096,8192,16384", help="fused_vocab-loss chunks to compare ('' = default only)")
-    ap.add_argument("--heads", default="standard,twin", help=f"heads for memory/FLOPs (all: {','.join(ALL_HEADS)})")
-    ap.add_argument("--losses", default=",".join(MEMORY_LOSSES), help="losses for memory/FLOPs")
-    ap.add_argument("--plain_heads", default="standard,twin", help="heads whose plain loss the memory section compiles")
-    ap.add_argument("--remat", default="none", help="comma list of model.remat for the memory table")
-    ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--override", action="append", default=[], type=parse_override, metavar="KEY=VALUE",
-                    help="config override for every variant, e.g. model.attention_impl=cudnn (repeatable)")
-    ap.add_argument("--no_compiled_flops", action="store_true", help="FLOPs of the lowered module only")
-    ap.add_argument("--output", default="bench.json")
-    args = ap.parse_args(argv)
+def define(fv, argv):
+    sizes = ("142m", "small", "tiny", "330m", "1b")
+    flags.DEFINE_enum("size", "142m", sizes, "memory and FLOP shapes", flag_values=fv)
+    flags.DEFINE_integer("micro_batch", 16, "rows per step for memory/FLOPs", flag_values=fv)
+    flags.DEFINE_integer("seq_len", 1024, "sequence length for memory/FLOPs", flag_values=fv)
+    flags.DEFINE_enum("time_size", "small", sizes, "the size the time section steps", flag_values=fv)
+    flags.DEFINE_integer("time_batch", 0, "0: the time size's own global batch", flag_values=fv)
+    flags.DEFINE_integer("time_seq", 0, "0: the time size's own seq_len", flag_values=fv)
+    flags.DEFINE_integer("steps", 5, "timed round-robin rounds", flag_values=fv)
+    flags.DEFINE_string("chunks", "2048,4096,8192,16384", "fused_vocab-loss chunks to compare ('' = default only)",
+                        flag_values=fv)
+    flags.DEFINE_string("heads", "standard,twin", f"heads for memory/FLOPs (all: {','.join(ALL_HEADS)})",
+                        flag_values=fv)
+    flags.DEFINE_string("losses", ",".join(MEMORY_LOSSES), "losses for memory/FLOPs", flag_values=fv)
+    flags.DEFINE_string("plain_heads", "standard,twin", "heads whose plain loss the memory section compiles",
+                        flag_values=fv)
+    flags.DEFINE_string("remat", "none", "comma list of model.remat for the memory table", flag_values=fv)
+    flags.DEFINE_string("sections", ",".join(SECTIONS), "sections to run", flag_values=fv)
+    flags.DEFINE_bool("compiled_flops", True, "FLOPs of the compiled module too (--nocompiled_flops: the "
+                      "lowered one only)", flag_values=fv)
+    flags.DEFINE_string("output", "bench.json", "JSON of every figure", flag_values=fv)
+    # --config.<key>=<value> (e.g. --config.model.attention_impl=cudnn) applies to every variant
+    return config_lib.define_flag(fv, argv, f"{CONFIGS}:dense-142m-twin")
+
+
+def _main(fv, rest, argv):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    args = fv
     sections = [s for s in args.sections.split(",") if s]
     if set(sections) - set(SECTIONS):
-        ap.error(f"--sections: choose from {SECTIONS}")
+        raise cli.UsageError(f"--sections: choose from {SECTIONS}")
     chunks = [int(c) for c in args.chunks.split(",") if c]
     heads = [h for h in args.heads.split(",") if h]
     losses = [x for x in args.losses.split(",") if x]
     plain_heads = [h for h in args.plain_heads.split(",") if h]
     if set(heads) - set(ALL_HEADS) or set(losses) - set(MEMORY_LOSSES):
-        ap.error(f"--heads: choose from {ALL_HEADS}; --losses: from {MEMORY_LOSSES}")
-    OVERRIDES.update(dict(args.override))
+        raise cli.UsageError(f"--heads: choose from {ALL_HEADS}; --losses: from {MEMORY_LOSSES}")
+    OVERRIDES.update(config_lib.overridden(fv.config, argv))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
     res = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/bench.py " + " ".join(argv),
         "machine": {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
                     "devices": jax.device_count(), "cpus": os.cpu_count(),
                     "host": host_platform.platform(), "jax": jax.__version__},
@@ -632,7 +631,7 @@ def main(argv=None):
                                      args.remat.split(","), log, heads, losses, plain_heads)
         tables.append(format_memory(res["memory"]))
     if "flops" in sections:
-        res["flops"] = bench_flops(args.size, args.micro_batch, args.seq_len, log, not args.no_compiled_flops,
+        res["flops"] = bench_flops(args.size, args.micro_batch, args.seq_len, log, args.compiled_flops,
                                    heads, losses)
         tables.append(format_flops(res["flops"]))
     if "head_memory" in sections:
@@ -665,7 +664,11 @@ def main(argv=None):
         with open(args.output, "w") as f:
             json.dump(res, f, indent=2, default=str)
         log(f"wrote {args.output}")
-    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
 
 
 if __name__ == "__main__":

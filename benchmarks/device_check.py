@@ -26,7 +26,6 @@ cuDNN attention needs a GPU: elsewhere it is recorded as skipped.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -36,8 +35,10 @@ import time
 
 import jax
 import numpy as np
+from absl import flags
 
 import bench  # benchmarks/bench.py, beside this script
+from onona_jax import cli
 from onona_jax import train as trainer
 
 GIB = 2.0 ** 30
@@ -133,24 +134,27 @@ def write(res, out_dir):
         f.write(markdown(res))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out_dir", required=True)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--budget_s", type=float, default=420.0, help="no new variant starts after this")
-    ap.add_argument("--decode_rounds", type=int, default=5)
-    ap.add_argument("--dry_run", action="store_true", help="tiny shapes, 2 steps (CPU test of this script)")
-    ap.add_argument("--dry_run_all", action="store_true", help="with --dry_run: compile and step every variant")
-    args = ap.parse_args(argv)
+def define(fv, argv):
+    flags.DEFINE_string("out_dir", None, "where device_check.json and device_check.md go", flag_values=fv,
+                        required=True)
+    flags.DEFINE_integer("steps", 20, "timed steps per variant", flag_values=fv)
+    flags.DEFINE_float("budget_s", 420.0, "no new variant starts after this", flag_values=fv)
+    flags.DEFINE_integer("decode_rounds", 5, "decode rounds", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "tiny shapes, 2 steps (CPU test of this script)", flag_values=fv)
+    flags.DEFINE_bool("dry_run_all", False, "with --dry_run: compile and step every variant", flag_values=fv)
+
+
+def _main(args, rest, argv):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
     if args.steps < 1 or args.budget_s <= 0:
-        print("error: --steps must be ≥ 1 and --budget_s positive", file=sys.stderr)
-        return 2
+        raise cli.UsageError("--steps must be ≥ 1 and --budget_s positive")
     os.makedirs(args.out_dir, exist_ok=True)
     size, batch, seq, steps = ("tiny", 2, 32, 2) if args.dry_run else ("142m", 16, 1024, args.steps)
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python benchmarks/device_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python benchmarks/device_check.py " + " ".join(argv),
            "dry_run": args.dry_run, "size": size, "batch": batch, "seq_len": seq, "steps": steps,
            "machine": {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
                        "jax": jax.__version__}, "train": {}, "decode": None}
@@ -179,7 +183,11 @@ def main(argv=None):
     res["elapsed_s"] = time.perf_counter() - t_start
     write(res, args.out_dir)
     print(markdown(res))
-    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,19 @@ def define_flag(fv, argv, default: str | None = "configs/paper.py:dense-small-tw
     return lambda argv: unknown_override(argv, default, name)
 
 
+def overridden(cfg, argv, name: str = "config") -> dict:
+    """{dotted key: value} of the `--config.<key>=...` overrides in `argv`, as the config flag
+    parsed them into `cfg` (a command that applies them to configs of its own making)."""
+    keys = [a[len(name) + 3:].split("=", 1)[0] for a in argv if a.startswith(f"--{name}.")]
+    out = {}
+    for key in keys:
+        node = cfg
+        for part in key.split("."):
+            node = node[part]
+        out[key] = node
+    return out
+
+
 def unknown_override(argv, default: str | None, name: str = "config") -> str | None:
     """The error for an override of a config key that does not exist (ml-collections raises
     a bare AttributeError/KeyError from deep inside), or None."""
