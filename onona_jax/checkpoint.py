@@ -2,8 +2,12 @@
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
 checkpoint either exists whole or not at all. Restoring tries the newest step first; if it
-cannot be read, it is moved aside to `checkpoints/corrupt/` (never deleted), a warning is
-printed, and the step before is tried.
+cannot be read (a missing or damaged file, unparsable metadata), train.py moves it aside to
+`checkpoints/corrupt/` (never deleted), one warning paragraph is printed, and the step before
+is tried. Read-only readers (`saved_config`, `restore_params`: evaluation, generation, export,
+analysis, serving) skip it in memory and leave `checkpoints/` exactly as it was. A readable
+checkpoint of a different model (names, shapes, dtypes) is never "corrupt": it is a
+`CheckpointMismatch` error naming the difference.
 
 Evaluation, serving, export and analysis restore the parameters only (`restore_params`):
 no optimizer state, no training run, so a read needs the parameters' memory and nothing more.
@@ -11,19 +15,70 @@ no optimizer state, no training run, so a read needs the parameters' memory and 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
+import sys
+import tempfile
 import time
-import warnings
 
 import jax
 import orbax.checkpoint as ocp
+
+from onona_jax import cli
+
+
+class CheckpointMismatch(ValueError):
+    """A readable checkpoint of a different model (names, shapes, dtypes): exit 2, never
+    set aside."""
+
+
+def _leaves(tree) -> dict:
+    """{'trunk/layers/attn/q': (shape, dtype name)} of arrays or ShapeDtypeStructs or
+    Orbax's array metadata."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        out[key] = (tuple(leaf.shape), str(jax.numpy.dtype(leaf.dtype)))
+    return out
+
+
+def short_error(err: BaseException) -> str:
+    """An exception's type and first line, cut to 300 characters (TensorStore errors run long)."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:300]}"
+
+
+@contextlib.contextmanager
+def quiet():
+    """Absorb what a failing Orbax restore prints besides its exception (its own and asyncio's
+    loggers, event-loop tracebacks and TensorStore dumps written straight to fd 2): the caller
+    reports the failure in one paragraph instead."""
+    loggers = [logging.getLogger(n) for n in ("", "absl", "asyncio", "orbax", "jax")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    sink = tempfile.TemporaryFile()
+    os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        sink.close()
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 class Checkpoints:
     def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
         self.directory = os.path.abspath(directory)
+        self.read_only = read_only
         self.manager = ocp.CheckpointManager(
             self.directory,
             item_names=("state", "data", "config"),
@@ -54,14 +109,15 @@ class Checkpoints:
 
     def restore(self, step: int, abstract_state):
         """(state, data_state, config dict) at `step`, placed as `abstract_state`'s shardings say."""
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore(),
-                config=ocp.args.JsonRestore(),
-            ),
-        )
+        with quiet():
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=ocp.args.JsonRestore(),
+                    config=ocp.args.JsonRestore(),
+                ),
+            )
         return out["state"], out["data"], out["config"]
 
     def restore_params(self, step: int, abstract_params):
@@ -71,39 +127,98 @@ class Checkpoints:
             lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
             abstract_params,
         )
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item={"params": abstract_params}, restore_args={"params": restore_args},
-                    partial_restore=True,
+        with quiet():
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item={"params": abstract_params}, restore_args={"params": restore_args},
+                        partial_restore=True,
+                    ),
                 ),
-            ),
-        )
+            )
         return out["state"]["params"]
 
     def restore_config(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        with quiet():
+            return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
-    def restore_latest(self, abstract_state, step: int | None = None, read=None):
+    def newest_config(self) -> tuple[int, dict] | None:
+        """(step, saved config dict) of the newest step whose config reads, or None (no file
+        moved: restoring decides what is unreadable)."""
+        for step in reversed(self.steps()):
+            try:
+                return step, self.restore_config(step)
+            except Exception:  # noqa: BLE001 - unreadable: restore_latest reports it
+                continue
+        return None
+
+    def check_params(self, step: int, abstract_params):
+        """Raise CheckpointMismatch when the saved parameters' names, shapes or dtypes differ
+        from `abstract_params` (read from the metadata, no array read); an unreadable metadata
+        file raises its read error (the checkpoint is then unreadable, not mismatched)."""
+        with quiet():
+            meta = ocp.PyTreeCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+        tree = getattr(meta, "item_metadata", meta)
+        saved = _leaves(tree["params"])
+        wanted = _leaves(abstract_params)
+        problems = [f"{k}: missing from the checkpoint" for k in wanted if k not in saved]
+        problems += [f"{k}: in the checkpoint, not in this model" for k in saved if k not in wanted]
+        for k in wanted.keys() & saved.keys():
+            (s_shape, s_dtype), (w_shape, w_dtype) = saved[k], wanted[k]
+            if s_shape != w_shape:
+                problems.append(f"{k}: shape {s_shape} saved, {w_shape} wanted")
+            elif s_dtype != w_dtype:
+                problems.append(f"{k}: dtype {s_dtype} saved, {w_dtype} wanted")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise CheckpointMismatch(
+                f"checkpoint at step {step} in {self.directory} holds a different model: "
+                f"{'; '.join(sorted(problems)[:5])}{more}. It was left in place; restore it with the "
+                "config it was saved with"
+            )
+
+    def restore_latest(self, abstract_state, step: int | None = None, read=None, check=None):
         """Newest readable checkpoint (or exactly `step`): (step, state, data_state, config),
-        or None when there is none. A broken newest checkpoint is set aside loudly. `read`
-        (step -> result tuple) replaces the full restore (e.g. parameters only)."""
+        or None when there is none. `read` (step -> result tuple) replaces the full restore
+        (e.g. parameters only); `check` (step -> None) runs first (default: the parameters'
+        structure against `abstract_state`).
+
+        Only a read failure (a missing or damaged file, unparsable metadata) makes a step
+        unusable; a structure mismatch is a CheckpointMismatch (exit 2), never "corrupt". An
+        unreadable newest step is set aside to `checkpoints/corrupt/` by a writer, skipped in
+        memory (left in place) by a read-only reader; either way with one warning paragraph."""
         read = read or (lambda s: self.restore(s, abstract_state))
+        if check is None and abstract_state is not None:
+            check = lambda s: self.check_params(s, abstract_state["params"])  # noqa: E731
+
+        def attempt(s):
+            if check is not None:
+                check(s)
+            return (s, *read(s))
+
         if step is not None:
             if step not in self.steps():
-                raise ValueError(f"no checkpoint at step {step} in {self.directory}; have {self.steps()}")
-            return (step, *read(step))
+                raise ValueError(f"no checkpoint at step {step} in {self.directory}; have {self.steps() or 'none'}")
+            try:
+                return attempt(step)
+            except CheckpointMismatch:
+                raise
+            except Exception as err:  # noqa: BLE001 - a read failure of the step asked for
+                raise cli.Failure(f"checkpoint at step {step} in {self.directory} could not be read ({short_error(err)}); "
+                                  f"omit --step to use the newest readable one (steps: {self.steps()})") from None
         for candidate in reversed(self.steps()):
             try:
-                return (candidate, *read(candidate))
+                return attempt(candidate)
+            except CheckpointMismatch:
+                raise
             except Exception as err:  # noqa: BLE001 - any read failure means "not usable"
-                moved = self._set_aside(candidate)
-                warnings.warn(
-                    f"checkpoint at step {candidate} could not be restored ({type(err).__name__}: "
-                    f"{str(err)[:300]}); moved to {moved} and falling back to the one before",
-                    stacklevel=2,
-                )
+                if self.read_only:
+                    fate = "left in place (this command only reads)"
+                else:
+                    fate = f"moved to {self._set_aside(candidate)}"
+                print(f"warning: checkpoint at step {candidate} could not be restored ({short_error(err)}); "
+                      f"{fate} and falling back to the one before", file=sys.stderr)
         return None
 
     def _set_aside(self, step: int) -> str:
@@ -117,30 +232,57 @@ class Checkpoints:
         return dst
 
 
+def _config(ckpts: Checkpoints, step: int):
+    """The validated config saved at `step` (older versions' configs filled from defaults).
+    A config that cannot be used (a newer version's keys, an invalid value) is a mismatch, not
+    a read failure: it is the same whatever step is tried."""
+    from onona_jax import config as config_lib
+
+    saved = ckpts.restore_config(step)
+    try:
+        return config_lib.validate(config_lib.from_saved(saved, f"{ckpts.directory}/{step}"))
+    except CheckpointMismatch:
+        raise
+    except ValueError as err:
+        raise CheckpointMismatch(str(err)) from None
+
+
 def saved_config(workdir: str, step: int | None = None):
-    """The config saved with a run's checkpoint (the latest unless `step`), no array read."""
-    import ml_collections
+    """The config saved with a run's checkpoint (the newest readable one unless `step`), no
+    array read. Read-only: an unreadable step is skipped, never moved."""
+    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
+    if not ckpts.steps():
+        raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
+    restored = ckpts.restore_latest(None, step, read=lambda s: (_config(ckpts, s),))
+    if restored is None:
+        raise cli.Failure(f"no checkpoint in {ckpts.directory} is readable (steps {ckpts.steps()}); "
+                          "see the warnings above")
+    return restored[1]
+
+
+def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None):
+    """(params, step, cfg, mesh) of a run's checkpoint (the newest readable one unless `step`),
+    the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` whatever mesh
+    trained them. Read-only: an unreadable step (its arrays or its config) is skipped with a
+    warning and left in place, and the step used is reported."""
+    from onona_jax import models, sharding
 
     ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
-    use = step if step is not None else ckpts.latest()
-    if use not in ckpts.steps():
-        raise ValueError(f"no checkpoint at step {use} in {ckpts.directory}; have {ckpts.steps()}")
-    return ml_collections.ConfigDict(ckpts.restore_config(use))
-
-
-def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None):
-    """(params, step, cfg, mesh) of a run's checkpoint (the latest readable one unless `step`),
-    the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` whatever mesh
-    trained them."""
-    from onona_jax import models, sharding
-    from onona_jax.config import validate
-
-    cfg = validate(saved_config(workdir, step))
-    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
     grid = sharding.make_mesh(*mesh, devices)
-    abstract = models.placed(cfg.model, grid)
-    restored = ckpts.restore_latest(None, step, read=lambda s: (ckpts.restore_params(s, abstract),))
-    step, params = restored
-    return params, step, cfg, grid
+
+    def read(s):
+        cfg = _config(ckpts, s)
+        abstract = models.placed(cfg.model, grid)
+        ckpts.check_params(s, abstract)
+        return ckpts.restore_params(s, abstract), cfg
+
+    restored = ckpts.restore_latest(None, step, read=read)
+    if restored is None:
+        raise cli.Failure(f"no checkpoint in {ckpts.directory} is readable (steps {ckpts.steps()}); "
+                          "see the warnings above")
+    used, params, cfg = restored
+    if step is None and used != ckpts.latest():
+        print(f"using checkpoint step {used} of {workdir} (the newest readable one)", file=sys.stderr)
+    return params, used, cfg, grid
