@@ -16,8 +16,6 @@ import socket
 import sys
 import time
 
-import jax
-
 LOCK_NAME = "lock.json"
 
 
@@ -115,7 +113,8 @@ class WorkdirLock:
         return True
 
     def acquire(self):
-        if jax.process_index() != 0:  # one lock per run: process 0 holds it for every host
+        jax = sys.modules.get("jax")  # a run has imported it; the lock itself needs no jax
+        if jax is not None and jax.process_index() != 0:  # one lock per run: process 0 holds it
             return self
         os.makedirs(self.workdir, exist_ok=True)
         for _ in range(3):
