@@ -47,8 +47,28 @@ def _leaves(tree) -> dict:
 
 def short_error(err: BaseException) -> str:
     """An exception's type and first line, cut to 300 characters (TensorStore errors run long)."""
-    first = (str(err).strip().splitlines() or [""])[0]
+    first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
     return f"{type(err).__name__}: {first[:300]}"
+
+
+def _drop_orbax_leftovers():
+    """From now on, drop the "Exception ignored in <coroutine ...>" reports of a failed Orbax
+    read's coroutines finalized late (each dumps a TensorStore spec); every other unraisable
+    exception is reported as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "onona_filter", False):
+        return
+
+    def hook(unraisable):
+        where = f"{getattr(unraisable.object, '__qualname__', '')} {unraisable.object!r}"
+        text = str(unraisable.exc_value)
+        if ("Encountered error while reading array" in text or "Event loop is closed" in text
+                or ("orbax" in where or "_read_array" in where)):
+            return
+        previous(unraisable)
+
+    hook.onona_filter = True
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
@@ -64,9 +84,28 @@ def quiet():
     saved_fd = os.dup(2)
     sink = tempfile.TemporaryFile()
     os.dup2(sink.fileno(), 2)
+    failed = True
     try:
         yield
+        failed = False
+    except BaseException as err:
+        # The failed read's coroutines live on in the traceback's frames and print their own
+        # errors (with TensorStore specs) when finalized, at exit: finalize them now, here,
+        # and drop the reports of any that outlive this (`_drop_orbax_leftovers`).
+        import traceback
+
+        traceback.clear_frames(err.__traceback__)
+        _drop_orbax_leftovers()
+        raise
     finally:
+        if failed:  # TensorStore callbacks keep printing into Orbax's closed event loop for a moment
+            import gc
+
+            gc.collect()
+            size, deadline = -1, time.monotonic() + 5.0
+            while size != os.fstat(sink.fileno()).st_size and time.monotonic() < deadline:
+                size = os.fstat(sink.fileno()).st_size
+                time.sleep(0.5)
         sys.stderr.flush()
         os.dup2(saved_fd, 2)
         os.close(saved_fd)
@@ -157,9 +196,11 @@ class Checkpoints:
         """Raise CheckpointMismatch when the saved parameters' names, shapes or dtypes differ
         from `abstract_params` (read from the metadata, no array read); an unreadable metadata
         file raises its read error (the checkpoint is then unreadable, not mismatched)."""
-        with quiet():
+        with quiet():  # (the check inside, so a failure waits out TensorStore's noise too)
             meta = ocp.PyTreeCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
-        tree = getattr(meta, "item_metadata", meta)
+            tree = getattr(meta, "item_metadata", meta)
+            if tree is None or "params" not in tree:
+                raise OSError(f"no readable array metadata in {self.directory}/{step}/state")
         saved = _leaves(tree["params"])
         wanted = _leaves(abstract_params)
         problems = [f"{k}: missing from the checkpoint" for k in wanted if k not in saved]

@@ -149,7 +149,9 @@ class MetricsLog:
 def check_writable(directory: str):
     """Create `directory` and a file in it, now: a read-only or full disk is found before the
     first step, not inside an asynchronous checkpoint write."""
-    probe = os.path.join(directory, f".write-test-{os.getpid()}")
+    import socket
+
+    probe = os.path.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")  # one per process
     try:
         os.makedirs(directory, exist_ok=True)
         with open(probe, "w") as f:
