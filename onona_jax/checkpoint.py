@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -49,6 +50,73 @@ def short_error(err: BaseException) -> str:
     """An exception's type and first line, cut to 300 characters (TensorStore errors run long)."""
     first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
     return f"{type(err).__name__}: {first[:300]}"
+
+
+class _WithoutOrbaxTracebacks:
+    """sys.stderr, less the tracebacks Orbax's writer threads print when a save fails (and
+    the "Event loop is closed" ones TensorStore's callbacks add): the loop reports the failure
+    itself, in one line. Every other line, and every other traceback, passes unchanged."""
+
+    def __init__(self, stream):
+        self.stream, self.block, self.partial = stream, None, ""
+        self.lock = threading.Lock()
+
+    HEADERS = ("Traceback (most recent call last):", "Exception ignored in")
+
+    def write(self, text: str) -> int:
+        with self.lock:  # whole lines only inside a traceback (C code writes one in pieces)
+            out, data, self.partial = [], self.partial + text, ""
+            for piece in data.splitlines(keepends=True):
+                complete = piece.endswith(("\n", "\r"))
+                if self.block is None:
+                    if not complete and any(h.startswith(piece) or piece.startswith(h) for h in self.HEADERS):
+                        self.partial = piece  # maybe a header: wait for the rest of the line
+                    elif piece.startswith(self.HEADERS):
+                        self.block = [piece]
+                    else:
+                        out.append(piece)
+                    continue
+                if not complete:
+                    self.partial = piece
+                    continue
+                self.block.append(piece)
+                if piece[:1] not in (" ", "\t") and len(self.block) > 2:
+                    block, self.block = "".join(self.block), None  # its last line: "Error: ..."
+                    if "/orbax/" not in block and "Event loop is closed" not in block:
+                        out.append(block)
+            if out:
+                self.stream.write("".join(out))
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def without_orbax_tracebacks():
+    """For a training run: Orbax's asynchronous writers fail in their own threads."""
+    class NoOrbaxRecords(logging.Filter):  # Orbax logs each failed writer thread's traceback
+        def filter(self, record):
+            return "/orbax/" not in record.pathname.replace(os.sep, "/")
+
+    previous, records = sys.stderr, NoOrbaxRecords()
+    sys.stderr = _WithoutOrbaxTracebacks(previous)
+    loggers = [logging.getLogger(n) for n in ("absl", "")]
+    for lg in loggers:
+        lg.addFilter(records)
+        for handler in lg.handlers:
+            handler.addFilter(records)
+    try:
+        yield
+    finally:
+        sys.stderr = previous
+        for lg in loggers:
+            lg.removeFilter(records)
+            for handler in lg.handlers:
+                handler.removeFilter(records)
 
 
 def _drop_orbax_leftovers():

@@ -471,7 +471,7 @@ def test_full_disk_during_a_save_stops_cleanly(tiny_data, tmp_path):
                        env=train_env(), capture_output=True, text=True, timeout=600, preexec_fn=limit)
     assert p.returncode == 1, p.stderr[-3000:]
     [line] = errors(p.stderr)
-    assert "could not write checkpoint" in line and "rerun the same command" in line, line
+    assert "could not write a checkpoint" in line and "rerun the same command" in line, line
     assert "Traceback" not in p.stderr
     assert sorted(x.name for x in (workdir / "checkpoints").iterdir() if x.name.isdigit()) == []
     assert not (workdir / "lock.json").exists()

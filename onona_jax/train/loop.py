@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import cli, summary
-from onona_jax.checkpoint import Checkpoints
+from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
 from onona_jax.train.lock import WorkdirLock
 from onona_jax.train.state import abstract_train_state, init_state, setup
@@ -192,7 +192,7 @@ def check_resume(cfg, run, workdir: str):
 def save_failure(ckpts, step, err) -> cli.Failure:
     from onona_jax.checkpoint import short_error
 
-    what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    what = f"a checkpoint (found when saving step {step})" if step is not None else "a checkpoint"
     good = [s for s in ckpts.steps() if os.path.exists(os.path.join(ckpts.directory, str(s), "commit_success.txt"))]
     return cli.Failure(
         f"could not write {what} to {ckpts.directory} ({short_error(err)}); stopping. The last good "
@@ -335,7 +335,7 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
 
     result = {}
     try:
-        with Preemption() as preempt:
+        with Preemption() as preempt, without_orbax_tracebacks():
             if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
                 validate(0)
             for step in range(start + 1, run.steps + 1):
