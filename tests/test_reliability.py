@@ -5,7 +5,8 @@ checkpoints/, storage failures are one `error:` line, and bad values are refused
 Fast tests call the entry points in-process (`train.main(argv)`, `eval.main(argv)` return
 exit codes) on a run whose checkpoints are written directly (`Checkpoints.save` of a fresh
 train state: no training step compiled). Tests that need real training run train.py in a
-subprocess and are marked slow: `python -m pytest -q -m slow tests/test_reliability.py`.
+subprocess; the two-process lock test stays in the default suite, the full-disk one is marked
+slow: `python -m pytest -q -m slow tests/test_reliability.py`.
 """
 
 import errno
@@ -416,7 +417,7 @@ def test_generate_max_new_tokens_and_long_prompt(run_dir, capfd):
     assert generate.fit_prompt(prompt[:5], 32, 8) == (prompt[:5], 0)
 
 
-# ----------------------------------------------------------------------------- slow: real runs
+# ----------------------------------------------------------------------------- real train.py runs
 
 
 def train_env():
@@ -427,10 +428,10 @@ def train_env():
     return env
 
 
-@pytest.mark.slow
 def test_two_train_processes_on_one_workdir(tiny_data, tmp_path):
     """The issue's reproduction: a second train.py (another lr) started while the first runs
-    exits 2 naming the first; the first finishes alone (metrics.jsonl holds one run)."""
+    exits 2 naming the first; the first finishes alone (metrics.jsonl holds one run). In the
+    default suite: ~20 s, the one real two-process test of the lock."""
     workdir = tmp_path / "wd"
     first = subprocess.Popen([sys.executable, "train.py", *argv(tiny_data, workdir, **ONE_DEVICE, **{"train.steps": 6})],
                              cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

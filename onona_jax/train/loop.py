@@ -309,6 +309,10 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
             log.write(s, m)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         pending.clear()
+        try:  # a failed asynchronous save stops the run now, not at the next checkpoint
+            ckpts.manager.check_for_errors()
+        except Exception as err:  # noqa: BLE001
+            raise save_failure(ckpts, None, err) from None
 
     def save(step):
         flush()  # never save parameters that produced a non-finite loss,
