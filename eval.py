@@ -82,9 +82,28 @@ def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data
     return result
 
 
+def check_output(path):
+    """`--output`'s directory must take a file: found now, not after the whole evaluation."""
+    if not path:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    probe = os.path.join(directory, f".write-test-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise cli.UsageError(f"--output={path}: cannot write to {directory} ({err.strerror or err}); "
+                             "give a writable path") from None
+    if os.path.isdir(path):
+        raise cli.UsageError(f"--output={path} is a directory; give a file path, e.g. {path}/eval.json")
+
+
 def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
+    check_output(fv.output)  # before the evaluation, not after it
     result = evaluate(fv.workdir, fv.step, cli.mesh(fv), fv.tasks, parse_task_data(fv.task_data),
                       fv.task_data_dir, fv.task_batch, fv.max_length, fv.mmlu_shots, fv.limit)
     from onona_jax.eval import validation

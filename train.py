@@ -15,6 +15,8 @@ DEFAULT_CONFIG = "configs/paper.py:dense-small-twin"
 
 def define(fv, argv):
     flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>)", flag_values=fv)
+    flags.DEFINE_bool("break_lock", False, "take the workdir's lock from a train.py on another host that is "
+                      "gone (a dead process on this host is detected by itself)", flag_values=fv)
     return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
 
 
@@ -24,7 +26,7 @@ def _main(fv, args):
     from onona_jax import train
 
     cfg = fv.config
-    result = train.train(cfg, fv.workdir or f"runs/{cfg.name or 'default'}")
+    result = train.train(cfg, fv.workdir or f"runs/{cfg.name or 'default'}", break_lock=fv.break_lock)
     if result.get("preempted"):
         return
     line = "  ".join(f"{k}={v:.4f}" for k, v in result.items() if k.startswith("val_loss"))

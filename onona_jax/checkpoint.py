@@ -2,8 +2,12 @@
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
 checkpoint either exists whole or not at all. Restoring tries the newest step first; if it
-cannot be read, it is moved aside to `checkpoints/corrupt/` (never deleted), a warning is
-printed, and the step before is tried.
+cannot be read (a missing or damaged file, unparsable metadata), train.py moves it aside to
+`checkpoints/corrupt/` (never deleted), one warning paragraph is printed, and the step before
+is tried. Read-only readers (`saved_config`, `restore_params`: evaluation, generation, export,
+analysis, serving) skip it in memory and leave `checkpoints/` exactly as it was. A readable
+checkpoint of a different model (names, shapes, dtypes) is never "corrupt": it is a
+`CheckpointMismatch` error naming the difference.
 
 Evaluation, serving, export and analysis restore the parameters only (`restore_params`):
 no optimizer state, no training run, so a read needs the parameters' memory and nothing more.
@@ -11,20 +15,178 @@ no optimizer state, no training run, so a read needs the parameters' memory and 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
+import sys
+import tempfile
+import threading
 import time
-import warnings
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from onona_jax import cli
+
+
+class CheckpointMismatch(ValueError):
+    """A readable checkpoint of a different model (names, shapes, dtypes): exit 2, never
+    set aside."""
+
+
+def _leaves(tree) -> dict:
+    """{'trunk/layers/attn/q': (shape, dtype name)} of arrays or ShapeDtypeStructs or
+    Orbax's array metadata."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        out[key] = (tuple(leaf.shape), str(jax.numpy.dtype(leaf.dtype)))
+    return out
+
+
+def short_error(err: BaseException) -> str:
+    """An exception's type and first line, cut to 300 characters (TensorStore errors run long)."""
+    first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+    return f"{type(err).__name__}: {first[:300]}"
+
+
+class _WithoutOrbaxTracebacks:
+    """sys.stderr, less the tracebacks Orbax's writer threads print when a save fails (and
+    the "Event loop is closed" ones TensorStore's callbacks add): the loop reports the failure
+    itself, in one line. Every other line, and every other traceback, passes unchanged."""
+
+    def __init__(self, stream):
+        self.stream, self.block, self.partial = stream, None, ""
+        self.lock = threading.Lock()
+
+    HEADERS = ("Traceback (most recent call last):", "Exception ignored in")
+
+    def write(self, text: str) -> int:
+        with self.lock:  # whole lines only inside a traceback (C code writes one in pieces)
+            out, data, self.partial = [], self.partial + text, ""
+            for piece in data.splitlines(keepends=True):
+                complete = piece.endswith(("\n", "\r"))
+                if self.block is None:
+                    if not complete and any(h.startswith(piece) or piece.startswith(h) for h in self.HEADERS):
+                        self.partial = piece  # maybe a header: wait for the rest of the line
+                    elif piece.startswith(self.HEADERS):
+                        self.block = [piece]
+                    else:
+                        out.append(piece)
+                    continue
+                if not complete:
+                    self.partial = piece
+                    continue
+                self.block.append(piece)
+                if piece[:1] not in (" ", "\t") and len(self.block) > 2:
+                    block, self.block = "".join(self.block), None  # its last line: "Error: ..."
+                    if "/orbax/" not in block and "Event loop is closed" not in block:
+                        out.append(block)
+            if out:
+                self.stream.write("".join(out))
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def without_orbax_tracebacks():
+    """For a training run: Orbax's asynchronous writers fail in their own threads."""
+    class NoOrbaxRecords(logging.Filter):  # Orbax logs each failed writer thread's traceback
+        def filter(self, record):
+            return "/orbax/" not in record.pathname.replace(os.sep, "/")
+
+    previous, records = sys.stderr, NoOrbaxRecords()
+    sys.stderr = _WithoutOrbaxTracebacks(previous)
+    loggers = [logging.getLogger(n) for n in ("absl", "")]
+    for lg in loggers:
+        lg.addFilter(records)
+        for handler in lg.handlers:
+            handler.addFilter(records)
+    try:
+        yield
+    finally:
+        sys.stderr = previous
+        for lg in loggers:
+            lg.removeFilter(records)
+            for handler in lg.handlers:
+                handler.removeFilter(records)
+
+
+def _drop_orbax_leftovers():
+    """From now on, drop the "Exception ignored in <coroutine ...>" reports of a failed Orbax
+    read's coroutines finalized late (each dumps a TensorStore spec); every other unraisable
+    exception is reported as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "onona_filter", False):
+        return
+
+    def hook(unraisable):
+        where = f"{getattr(unraisable.object, '__qualname__', '')} {unraisable.object!r}"
+        text = str(unraisable.exc_value)
+        if ("Encountered error while reading array" in text or "Event loop is closed" in text
+                or ("orbax" in where or "_read_array" in where)):
+            return
+        previous(unraisable)
+
+    hook.onona_filter = True
+    sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def quiet():
+    """Absorb what a failing Orbax restore prints besides its exception (its own and asyncio's
+    loggers, event-loop tracebacks and TensorStore dumps written straight to fd 2): the caller
+    reports the failure in one paragraph instead."""
+    loggers = [logging.getLogger(n) for n in ("", "absl", "asyncio", "orbax", "jax")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    sink = tempfile.TemporaryFile()
+    os.dup2(sink.fileno(), 2)
+    failed = True
+    try:
+        yield
+        failed = False
+    except BaseException as err:
+        # The failed read's coroutines live on in the traceback's frames and print their own
+        # errors (with TensorStore specs) when finalized, at exit: finalize them now, here,
+        # and drop the reports of any that outlive this (`_drop_orbax_leftovers`).
+        import traceback
+
+        traceback.clear_frames(err.__traceback__)
+        _drop_orbax_leftovers()
+        raise
+    finally:
+        if failed:  # TensorStore callbacks keep printing into Orbax's closed event loop for a moment
+            import gc
+
+            gc.collect()
+            size, deadline = -1, time.monotonic() + 5.0
+            while size != os.fstat(sink.fileno()).st_size and time.monotonic() < deadline:
+                size = os.fstat(sink.fileno()).st_size
+                time.sleep(0.5)
+        sys.stderr.flush()
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        sink.close()
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
 
 class Checkpoints:
     def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
         self.directory = os.path.abspath(directory)
+        self.read_only = read_only
         self.manager = ocp.CheckpointManager(
             self.directory,
             item_names=("state", "data", "config"),
@@ -55,14 +217,15 @@ class Checkpoints:
 
     def restore(self, step: int, abstract_state):
         """(state, data_state, config dict) at `step`, placed as `abstract_state`'s shardings say."""
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore(),
-                config=ocp.args.JsonRestore(),
-            ),
-        )
+        with quiet():
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=ocp.args.JsonRestore(),
+                    config=ocp.args.JsonRestore(),
+                ),
+            )
         return out["state"], out["data"], out["config"]
 
     def restore_params(self, step: int, abstract_params, via_host: bool = False):
@@ -75,15 +238,16 @@ class Checkpoints:
         else:
             arg = lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)  # noqa: E731
         restore_args = jax.tree.map(arg, abstract_params)
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item={"params": abstract_params}, restore_args={"params": restore_args},
-                    partial_restore=True,
+        with quiet():
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item={"params": abstract_params}, restore_args={"params": restore_args},
+                        partial_restore=True,
+                    ),
                 ),
-            ),
-        )
+            )
         params = out["state"]["params"]
         if via_host:
             flat, treedef = jax.tree.flatten(params)
@@ -95,27 +259,87 @@ class Checkpoints:
         return params
 
     def restore_config(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        with quiet():
+            return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
-    def restore_latest(self, abstract_state, step: int | None = None, read=None):
+    def newest_config(self) -> tuple[int, dict] | None:
+        """(step, saved config dict) of the newest step whose config reads, or None (no file
+        moved: restoring decides what is unreadable)."""
+        for step in reversed(self.steps()):
+            try:
+                return step, self.restore_config(step)
+            except Exception:  # noqa: BLE001 - unreadable: restore_latest reports it
+                continue
+        return None
+
+    def check_params(self, step: int, abstract_params):
+        """Raise CheckpointMismatch when the saved parameters' names, shapes or dtypes differ
+        from `abstract_params` (read from the metadata, no array read); an unreadable metadata
+        file raises its read error (the checkpoint is then unreadable, not mismatched)."""
+        with quiet():  # (the check inside, so a failure waits out TensorStore's noise too)
+            meta = ocp.PyTreeCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+            tree = getattr(meta, "item_metadata", meta)
+            if tree is None or "params" not in tree:
+                raise OSError(f"no readable array metadata in {self.directory}/{step}/state")
+        saved = _leaves(tree["params"])
+        wanted = _leaves(abstract_params)
+        problems = [f"{k}: missing from the checkpoint" for k in wanted if k not in saved]
+        problems += [f"{k}: in the checkpoint, not in this model" for k in saved if k not in wanted]
+        for k in wanted.keys() & saved.keys():
+            (s_shape, s_dtype), (w_shape, w_dtype) = saved[k], wanted[k]
+            if s_shape != w_shape:
+                problems.append(f"{k}: shape {s_shape} saved, {w_shape} wanted")
+            elif s_dtype != w_dtype:
+                problems.append(f"{k}: dtype {s_dtype} saved, {w_dtype} wanted")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise CheckpointMismatch(
+                f"checkpoint at step {step} in {self.directory} holds a different model: "
+                f"{'; '.join(sorted(problems)[:5])}{more}. It was left in place; restore it with the "
+                "config it was saved with"
+            )
+
+    def restore_latest(self, abstract_state, step: int | None = None, read=None, check=None):
         """Newest readable checkpoint (or exactly `step`): (step, state, data_state, config),
-        or None when there is none. A broken newest checkpoint is set aside loudly. `read`
-        (step -> result tuple) replaces the full restore (e.g. parameters only)."""
+        or None when there is none. `read` (step -> result tuple) replaces the full restore
+        (e.g. parameters only); `check` (step -> None) runs first (default: the parameters'
+        structure against `abstract_state`).
+
+        Only a read failure (a missing or damaged file, unparsable metadata) makes a step
+        unusable; a structure mismatch is a CheckpointMismatch (exit 2), never "corrupt". An
+        unreadable newest step is set aside to `checkpoints/corrupt/` by a writer, skipped in
+        memory (left in place) by a read-only reader; either way with one warning paragraph."""
         read = read or (lambda s: self.restore(s, abstract_state))
+        if check is None and abstract_state is not None:
+            check = lambda s: self.check_params(s, abstract_state["params"])  # noqa: E731
+
+        def attempt(s):
+            if check is not None:
+                check(s)
+            return (s, *read(s))
+
         if step is not None:
             if step not in self.steps():
-                raise ValueError(f"no checkpoint at step {step} in {self.directory}; have {self.steps()}")
-            return (step, *read(step))
+                raise ValueError(f"no checkpoint at step {step} in {self.directory}; have {self.steps() or 'none'}")
+            try:
+                return attempt(step)
+            except CheckpointMismatch:
+                raise
+            except Exception as err:  # noqa: BLE001 - a read failure of the step asked for
+                raise cli.Failure(f"checkpoint at step {step} in {self.directory} could not be read ({short_error(err)}); "
+                                  f"omit --step to use the newest readable one (steps: {self.steps()})") from None
         for candidate in reversed(self.steps()):
             try:
-                return (candidate, *read(candidate))
+                return attempt(candidate)
+            except CheckpointMismatch:
+                raise
             except Exception as err:  # noqa: BLE001 - any read failure means "not usable"
-                moved = self._set_aside(candidate)
-                warnings.warn(
-                    f"checkpoint at step {candidate} could not be restored ({type(err).__name__}: "
-                    f"{str(err)[:300]}); moved to {moved} and falling back to the one before",
-                    stacklevel=2,
-                )
+                if self.read_only:
+                    fate = "left in place (this command only reads)"
+                else:
+                    fate = f"moved to {self._set_aside(candidate)}"
+                print(f"warning: checkpoint at step {candidate} could not be restored ({short_error(err)}); "
+                      f"{fate} and falling back to the one before", file=sys.stderr)
         return None
 
     def _set_aside(self, step: int) -> str:
@@ -129,35 +353,63 @@ class Checkpoints:
         return dst
 
 
-def saved_config(workdir: str, step: int | None = None):
-    """The config saved with a run's checkpoint (the latest unless `step`), no array read."""
-    import ml_collections
+def _config(ckpts: Checkpoints, step: int):
+    """The validated config saved at `step` (older versions' configs filled from defaults).
+    A config that cannot be used (a newer version's keys, an invalid value) is a mismatch, not
+    a read failure: it is the same whatever step is tried."""
+    from onona_jax import config as config_lib
 
+    saved = ckpts.restore_config(step)
+    try:
+        return config_lib.validate(config_lib.from_saved(saved, f"{ckpts.directory}/{step}"))
+    except CheckpointMismatch:
+        raise
+    except ValueError as err:
+        raise CheckpointMismatch(str(err)) from None
+
+
+def saved_config(workdir: str, step: int | None = None):
+    """The config saved with a run's checkpoint (the newest readable one unless `step`), no
+    array read. Read-only: an unreadable step is skipped, never moved."""
     ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
-    use = step if step is not None else ckpts.latest()
-    if use not in ckpts.steps():
-        raise ValueError(f"no checkpoint at step {use} in {ckpts.directory}; have {ckpts.steps()}")
-    return ml_collections.ConfigDict(ckpts.restore_config(use))
+    restored = ckpts.restore_latest(None, step, read=lambda s: (_config(ckpts, s),))
+    if restored is None:
+        raise cli.Failure(f"no checkpoint in {ckpts.directory} is readable (steps {ckpts.steps()}); "
+                          "see the warnings above")
+    return restored[1]
 
 
 def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, parts=None,
                    via_host: bool = False):
-    """(params, step, cfg, mesh) of a run's checkpoint (the latest readable one unless `step`),
+    """(params, step, cfg, mesh) of a run's checkpoint (the newest readable one unless `step`),
     the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` whatever mesh
-    trained them. `parts` (e.g. ("head",)) restores only those top-level parts of the tree,
-    so a caller can hold one part at a time (serving folds the head before the trunk);
-    `via_host` places them one array at a time (`Checkpoints.restore_params`)."""
+    trained them. Read-only: an unreadable step (its arrays or its config) is skipped with a
+    warning and left in place, and the step used is reported. `parts` (e.g. ("head",))
+    restores only those top-level parts of the tree, so a caller can hold one part at a time
+    (serving folds the head before the trunk); `via_host` places them one array at a time
+    (`Checkpoints.restore_params`)."""
     from onona_jax import models, sharding
-    from onona_jax.config import validate
 
-    cfg = validate(saved_config(workdir, step))
     ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
+    if not ckpts.steps():
+        raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
     grid = sharding.make_mesh(*mesh, devices)
-    abstract = models.placed(cfg.model, grid)
-    if parts is not None:
-        abstract = {k: abstract[k] for k in parts}
-    restored = ckpts.restore_latest(None, step, read=lambda s: (ckpts.restore_params(s, abstract, via_host),))
-    step, params = restored
-    return params, step, cfg, grid
+
+    def read(s):
+        cfg = _config(ckpts, s)
+        abstract = models.placed(cfg.model, grid)
+        ckpts.check_params(s, abstract)  # the whole tree: the model must be the one saved
+        if parts is not None:
+            abstract = {k: abstract[k] for k in parts}
+        return ckpts.restore_params(s, abstract, via_host), cfg
+
+    restored = ckpts.restore_latest(None, step, read=read)
+    if restored is None:
+        raise cli.Failure(f"no checkpoint in {ckpts.directory} is readable (steps {ckpts.steps()}); "
+                          "see the warnings above")
+    used, params, cfg = restored
+    if step is None and used != ckpts.latest():
+        print(f"using checkpoint step {used} of {workdir} (the newest readable one)", file=sys.stderr)
+    return params, used, cfg, grid

@@ -152,7 +152,93 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for problem in models.family(m).validate(m):
         need(False, problem)
     need(m.vocab_size >= 50257, f"model.vocab_size={m.vocab_size} is below GPT-2's 50,257 tokens")
+    t = cfg.train
+    need(t.steps >= 0, f"train.steps={t.steps} must be positive (or 0: derived from train.tokens_per_param)")
+    need(t.steps > 0 or t.tokens_per_param > 0,
+         f"train.tokens_per_param={t.tokens_per_param} must be positive when train.steps=0 derives the budget")
+    need(t.lr > 0, f"train.lr={t.lr} must be positive (a negative one ascends the loss)")
+    need(t.final_lr >= 0, f"train.final_lr={t.final_lr} must be zero or positive")
+    need(t.global_batch > 0, f"train.global_batch={t.global_batch} must be positive (sequences per step)")
+    need(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be positive, or 0 for no accumulation")
+    need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be zero or positive")
+    need(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must lie in [0, 1]")
+    for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+        need(t[key] > 0, f"train.{key}={t[key]} must be positive (a number of steps, or checkpoints kept)")
+    need(cfg.data.seq_len > 0, f"data.seq_len={cfg.data.seq_len} must be positive (tokens per window)")
+    need(cfg.eval.windows > 0, f"eval.windows={cfg.eval.windows} must be positive")
+    need(cfg.eval.batch > 0, f"eval.batch={cfg.eval.batch} must be positive")
     return cfg
+
+
+# ----------------------------------------------------------------------------- resuming
+#
+# The keys a rerun on an existing workdir may change. Every other key changes the
+# parameters, the optimizer state or the data stream (the model, the optimizer and its
+# schedule, the data and its order, the validation windows), so a rerun that changes one is
+# a different run: train.py stops with exit 2 and names the differing keys. Listed in the
+# README ("Resuming with a changed config").
+RESUMABLE_KEYS = (
+    "name",                  # a label
+    "train.steps",           # train on (more steps); never below the checkpoint's step
+    "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.peak_tflops",     # MFU's denominator
+    "train.micro_batch",     # gradient accumulation: the same global batch in other slices
+    "eval.batch",            # rows per validation batch
+    "mesh.data", "mesh.fsdp", "mesh.tensor",  # checkpoints restore onto any mesh
+    "model.remat", "model.attention_impl",    # how the step is computed, not what
+)
+
+
+def flatten(d, prefix: str = "") -> dict:
+    """{"train.lr": 0.001, ...} of a (nested) dict or ConfigDict."""
+    if isinstance(d, ml_collections.ConfigDict):
+        d = d.to_dict()
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_conflicts(saved, requested) -> list[tuple[str, object, object]]:
+    """(key, saved value, requested value) of every key outside RESUMABLE_KEYS that differs
+    (both compared as JSON, so 1e-3 equals 0.001; a key one side lacks is `<absent>`)."""
+    import json
+
+    def norm(c):
+        return flatten(json.loads(c.to_json() if isinstance(c, ml_collections.ConfigDict) else json.dumps(c)))
+
+    a, b = norm(saved), norm(requested)
+    return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
+            if k not in RESUMABLE_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
+def from_saved(saved: dict, where: str = "") -> ml_collections.ConfigDict:
+    """A config saved by this or an older version: keys it lacks (added since) take their
+    defaults, with a notice; unknown keys (a newer version's) are an error naming them."""
+    import sys
+
+    base = base_config()
+    have, known = flatten(saved), flatten(base)
+    unknown = sorted(set(have) - set(known))
+    where = where or "the checkpoint"
+    if unknown:
+        raise ValueError(f"the config saved in {where} has keys this version does not know "
+                         f"({', '.join(unknown)}); a newer onona-jax wrote it: update this checkout")
+    missing = sorted(set(known) - set(have))
+    if missing:
+        print(f"notice: the config saved in {where} predates keys {', '.join(missing)}; "
+              "using their defaults", file=sys.stderr)
+    for key, value in have.items():
+        *path, leaf = key.split(".")
+        node = base
+        for p in path:
+            node = node[p]
+        with node.ignore_type():
+            node[leaf] = value
+    return base
 
 
 def define_flag(fv, argv, default: str | None = "configs/paper.py:dense-small-twin", name: str = "config"):

@@ -244,11 +244,19 @@ def test_saved_data_state_resumes_the_same_windows(reference, tiny_data):
             np.testing.assert_array_equal(next(it), batches[b])
 
 
-def copy_checkpoints(reference, workdir: Path, steps) -> Path:
+def copy_checkpoints(reference, workdir: Path, steps, **saved_train) -> Path:
+    """Checkpoints `steps` of the reference run; `saved_train` rewrites train.* keys of their
+    saved config, so a rerun with those values resumes them rather than being refused as a
+    different run (train.py compares the requested config with the saved one)."""
     ckpts = workdir / "checkpoints"
     ckpts.mkdir(parents=True)
     for s in steps:
         shutil.copytree(reference["workdir"] / "checkpoints" / str(s), ckpts / str(s))
+        if saved_train:
+            meta = ckpts / str(s) / "config" / "metadata"
+            saved = json.loads(meta.read_text())
+            saved["train"].update(saved_train)
+            meta.write_text(json.dumps(saved))
     return ckpts
 
 
@@ -288,7 +296,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(cli, reference, ti
     checkpoint due): train.py exits 1 naming the step whose loss is not finite, saves nothing,
     and leaves checkpoint 2 byte for byte as it was."""
     workdir = tmp_path / "run"
-    ckpts = copy_checkpoints(reference, workdir, (2,))
+    ckpts = copy_checkpoints(reference, workdir, (2,), lr=1e30)
     digest = tree_digest(ckpts / "2")
 
     rc, out = cli.run(workdir, tmp_path / "log.txt", train__lr=1e30, train__checkpoint_every=1000)
@@ -312,7 +320,7 @@ def test_non_finite_parameters_are_never_saved(reference, tiny_data, tmp_path):
     the update) is still finite but the updated weights are not. The save after step 4 must
     refuse rather than write them as the "last good" checkpoint. (In-process, one device.)"""
     workdir = tmp_path / "run"
-    ckpts = copy_checkpoints(reference, workdir, (2,))
+    ckpts = copy_checkpoints(reference, workdir, (2,), lr=1e30)
     digest = tree_digest(ckpts / "2")
     cfg = tiny_config(tiny_data, "standard", micro_batch=8, steps=STEPS, lr=1e30,
                       checkpoint_every=1)

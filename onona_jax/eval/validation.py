@@ -92,7 +92,8 @@ def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=N
 
     params, step, cfg, grid = loaded or load(workdir, step, mesh, devices)
     windows = pipeline.validation_windows(
-        data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed
+        data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
+        cache_dir=cfg.data.get("cache_dir") or None,
     )
     graphdef, _ = models.abstract(cfg.model)
     shardings = jax.tree.map(lambda a: a.sharding, params)

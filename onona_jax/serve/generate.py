@@ -12,6 +12,8 @@ one V×d projection per token (twin heads; see serving.py). An empty prompt star
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags
 
 from onona_jax import cli
@@ -32,16 +34,36 @@ def define(fv, argv):
     flags.DEFINE_integer("max_len", None, "prompt + generated tokens bound (default: the training context)", flag_values=fv)
 
 
+def fit_prompt(prompt: list, max_len: int, max_new_tokens: int) -> tuple[list, int]:
+    """The prompt's END (what the continuation follows) in the room the context leaves, and
+    how many tokens were dropped from its start."""
+    room = max_len - max_new_tokens
+    if room < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in {max_len} tokens")
+    dropped = max(0, len(prompt) - room)
+    return prompt[dropped:], dropped
+
+
 def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
     from onona_jax import tokenizer
     from onona_jax.serve.server import Server
 
+    if fv.max_new_tokens < 1:
+        raise cli.UsageError(f"--max_new_tokens={fv.max_new_tokens}: give at least 1 token to generate")
+    if fv.max_len is not None and fv.max_len <= fv.max_new_tokens:
+        raise cli.UsageError(f"--max_len={fv.max_len} leaves no room for a prompt before "
+                             f"--max_new_tokens={fv.max_new_tokens}; raise --max_len or lower --max_new_tokens")
     server = Server.from_workdir(fv.workdir, fv.step, max_len=fv.max_len)
-    prompt = tokenizer.encode(fv.prompt) or [tokenizer.EOT]
-    if len(prompt) + fv.max_new_tokens > server.max_len:  # keep the end of a long prompt
-        prompt = prompt[-(server.max_len - fv.max_new_tokens):]
+    if server.max_len <= fv.max_new_tokens:
+        raise cli.UsageError(f"--max_new_tokens={fv.max_new_tokens} fills the whole context ({server.max_len} "
+                             "tokens) with no room for the prompt; lower it or raise --max_len")
+    prompt, dropped = fit_prompt(tokenizer.encode(fv.prompt) or [tokenizer.EOT], server.max_len, fv.max_new_tokens)
+    if dropped:
+        print(f"notice: the prompt is longer than the context allows ({server.max_len} tokens, "
+              f"{fv.max_new_tokens} of them to generate): its first {dropped} tokens were dropped, "
+              "the end is kept", file=sys.stderr)
     [tokens] = server.generate(
         [prompt], fv.max_new_tokens, greedy=fv.greedy, temperature=fv.temperature,
         top_k=fv.top_k, top_p=fv.top_p, one_projection=fv.one_projection,

@@ -4,6 +4,7 @@ pre-emption or a non-finite loss.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,8 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import cli, summary
-from onona_jax.checkpoint import Checkpoints
+from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
+from onona_jax.train.lock import WorkdirLock
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
 from onona_jax.train.upcycle import upcycle
@@ -74,28 +76,129 @@ class Preemption:
 
 
 class MetricsLog:
-    """metrics.jsonl (one JSON object per logged step) and TensorBoard, from process 0 only."""
+    """metrics.jsonl (one JSON object per logged step) and TensorBoard, from process 0 only.
+
+    A line is written with one append and, should the write fail (a full disk), the file is
+    cut back to its previous length: no torn line is left. A torn last line left by an older
+    version or a crash is removed when a run resumes, and the restart is marked by a line
+    `{"step": S, "restart": true}`."""
 
     def __init__(self, workdir: str):
         self.primary = jax.process_index() == 0
+        self.path = os.path.join(workdir, "metrics.jsonl")
         if self.primary:
             from tensorboardX import SummaryWriter
 
-            self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+            try:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self.resumed = self._repair()
+            except OSError as err:
+                raise cli.Failure(f"cannot write {self.path} ({err.strerror or err}); make the workdir "
+                                  "writable (or free space), then rerun the same command") from None
             self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def _repair(self) -> bool:
+        """Cut a torn last line (no newline); True when the file already held lines."""
+        size = os.fstat(self.fd).st_size
+        if size == 0:
+            return False
+        with open(self.path, "rb") as f:
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+        if tail.endswith(b"\n"):
+            return True
+        keep = size - len(tail) + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
+        os.ftruncate(self.fd, keep)
+        print(f"warning: {self.path} ended in a torn line ({size - keep} bytes of a write cut short); "
+              "removed it", file=sys.stderr)
+        return keep > 0
+
+    def _append(self, line: str):
+        data = line.encode()
+        size = os.fstat(self.fd).st_size
+        try:
+            if os.write(self.fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write (disk full?)")
+        except OSError as err:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError:
+                pass
+            raise cli.Failure(
+                f"could not write {self.path} ({err.strerror or err}); stopping. Free space on that "
+                f"filesystem, then rerun the same command to resume from the last checkpoint"
+            ) from None
+
+    def restart(self, step: int):
+        if self.primary and self.resumed:
+            self._append(json.dumps({"step": step, "restart": True, "time": time.time()}) + "\n")
 
     def write(self, step: int, metrics: dict):
         if not self.primary:
             return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
+        self._append(json.dumps({"step": step, **metrics}) + "\n")
         for k, v in metrics.items():
             self.tb.add_scalar(k, v, step)
 
     def close(self):
         if self.primary:
-            self.jsonl.close()
+            os.close(self.fd)
             self.tb.close()
+
+
+def check_writable(directory: str):
+    """Create `directory` and a file in it, now: a read-only or full disk is found before the
+    first step, not inside an asynchronous checkpoint write."""
+    import socket
+
+    probe = os.path.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")  # one per process
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise cli.Failure(f"cannot write to {directory} ({err.strerror or err}); make it writable "
+                          "(or free space), then rerun the same command") from None
+
+
+def check_resume(cfg, run, workdir: str):
+    """A rerun on a workdir with checkpoints must be the same run: every key outside
+    config.RESUMABLE_KEYS as saved with the newest checkpoint. Read-only; before any write."""
+    from onona_jax import config as config_lib
+
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return
+    newest = Checkpoints(directory, read_only=True).newest_config()
+    if newest is None:
+        return
+    step, saved = newest
+    conflicts = config_lib.resume_conflicts(config_lib.from_saved(saved, f"{directory}/{step}"), cfg)
+    if conflicts:
+        listed = "; ".join(f"{k}: {a!r} → {b!r}" for k, a, b in conflicts)
+        raise ValueError(
+            f"{workdir} holds a run whose checkpoint (step {step}) has a different config (saved → "
+            f"requested): {listed}. These keys change the parameters, optimizer state or data, so "
+            f"this would be a different run. Either drop those overrides to resume that run, or "
+            f"train the new one in a new --workdir (keys that may change on resume: "
+            f"onona_jax/config.py RESUMABLE_KEYS)"
+        )
+    if run.steps < step:
+        raise ValueError(f"train.steps resolves to {run.steps}, below the checkpoint's step {step} in "
+                         f"{directory}; give train.steps >= {step} (or use a new --workdir)")
+
+
+def save_failure(ckpts, step, err) -> cli.Failure:
+    from onona_jax.checkpoint import short_error
+
+    what = f"a checkpoint (found when saving step {step})" if step is not None else "a checkpoint"
+    good = [s for s in ckpts.steps() if os.path.exists(os.path.join(ckpts.directory, str(s), "commit_success.txt"))]
+    return cli.Failure(
+        f"could not write {what} to {ckpts.directory} ({short_error(err)}); stopping. The last good "
+        f"checkpoint (step {good[-1] if good else 'none'}) is intact; free space or fix the directory's "
+        "permissions, then rerun the same command to resume"
+    )
 
 
 def prepare_data(cfg, workdir: str) -> str:
@@ -114,30 +217,56 @@ def prepare_data(cfg, workdir: str) -> str:
     return data_dir
 
 
-def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
-    """Train (or resume) in `workdir`; returns the final evaluation."""
+def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bool = False) -> dict:
+    """Train (or resume) in `workdir`; returns the final evaluation. Holds the workdir's lock
+    (`lock.json`) from its first write to its return, whatever ends the run."""
+    from onona_jax.data import pipeline
+
+    run = setup(cfg, devices)  # every config check, before any write
+    cache = cfg.data.cache_dir or None  # the local copy of a bucket data.dir (data/storage.py)
+    if cfg.data.dir:  # user data: check it before writing anything
+        pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size,
+                            cache_dir=cache).num_windows(cfg.data.seq_len)
+        pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed, cache_dir=cache)
+    if cfg.init_from and not os.path.isdir(os.path.join(cfg.init_from, "checkpoints")):
+        raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
+    check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
+    try:
+        lock = WorkdirLock(workdir, break_lock).acquire()
+    except OSError as err:
+        raise cli.Failure(f"cannot write to {workdir} ({err.strerror or err}); make it writable "
+                          "or choose another --workdir") from None
+    try:
+        check_resume(cfg, run, workdir)  # again, now that no other run can write meanwhile
+        return _train(cfg, run, workdir, progress)
+    finally:
+        lock.release()
+
+
+def _train(cfg, run, workdir: str, progress: bool) -> dict:
     from tqdm import tqdm
 
     from onona_jax.data import pipeline
 
-    run = setup(cfg, devices)  # every config check, before any write
-    if cfg.data.dir:  # user data: check it before writing anything
-        pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size).num_windows(cfg.data.seq_len)
-        pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed)
-    if cfg.init_from and not os.path.isdir(os.path.join(cfg.init_from, "checkpoints")):
-        raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
-    os.makedirs(workdir, exist_ok=True)
+    check_writable(os.path.join(workdir, "checkpoints"))
     data_dir = prepare_data(cfg, workdir)
-    val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed)
+    cache = cfg.data.cache_dir or None
+    val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
+                                              cache_dir=cache)
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(cfg.to_json(indent=2))
+        from onona_jax.eval.validation import write_json
+
+        try:  # atomic: a failed write leaves the old config.json
+            write_json(json.loads(cfg.to_json()), os.path.join(workdir, "config.json"))
+        except OSError as err:
+            raise cli.Failure(f"could not write {workdir}/config.json ({err.strerror or err}); free space "
+                              "or make the workdir writable, then rerun the same command") from None
 
     ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
     restored = ckpts.restore_latest(abstract_train_state(run))
     batches = pipeline.train_batches(
         data_dir, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
+        process_index=jax.process_index(), process_count=jax.process_count(), cache_dir=cache,
     )
     if restored is None:
         start, state = 0, init_state(run, cfg.seed)
@@ -156,6 +285,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     peak = peak_tflops(cfg)
     log = MetricsLog(workdir)
+    log.restart(start)
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
     bar = tqdm(total=run.steps, initial=start, disable=not progress or jax.process_index() != 0,
@@ -183,6 +313,10 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
             log.write(s, m)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         pending.clear()
+        try:  # a failed asynchronous save stops the run now, not at the next checkpoint
+            ckpts.manager.check_for_errors()
+        except Exception as err:  # noqa: BLE001
+            raise save_failure(ckpts, None, err) from None
 
     def save(step):
         flush()  # never save parameters that produced a non-finite loss,
@@ -191,7 +325,16 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
                 f"non-finite parameters or optimizer state after step {step}; not saving them. "
                 f"The last good checkpoint (step {ckpts.latest()}) is untouched; lower train.lr or check the data"
             )
-        ckpts.save(step, state, batches.get_state(), cfg.to_json())
+        try:
+            ckpts.save(step, state, batches.get_state(), cfg.to_json())
+        except Exception as err:  # noqa: BLE001 - a failed write (full disk, read-only, quota)
+            raise save_failure(ckpts, step, err) from None
+
+    def wait():
+        try:
+            ckpts.wait()
+        except Exception as err:  # noqa: BLE001 - the asynchronous part of a save failed
+            raise save_failure(ckpts, None, err) from None
 
     def validate(step, tables=(None,)):
         result = evaluator(state["params"], val_windows, tables, cfg.eval.batch)
@@ -200,7 +343,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
 
     result = {}
     try:
-        with Preemption() as preempt:
+        with Preemption() as preempt, without_orbax_tracebacks():
             if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
                 validate(0)
             for step in range(start + 1, run.steps + 1):
@@ -217,15 +360,18 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
                     save(step)
                 if preempt.reached(step) and step != run.steps:
                     save(step)
-                    ckpts.wait()
+                    wait()
                     print(f"pre-empted: saved step {step}; rerun the same command to resume",
                           file=sys.stderr)
                     return {"step": step, "preempted": True}
-            ckpts.wait()
+            wait()
             result = validate(run.steps, variants(cfg.model))
     finally:
         bar.close()
         log.close()
-        ckpts.wait()
+        try:
+            ckpts.wait()
+        except Exception:  # noqa: BLE001 - already failing: that error is the one reported
+            pass
     result["step"] = run.steps
     return result

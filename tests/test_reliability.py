@@ -1,0 +1,478 @@
+"""Reliability (issue 12): one writer per workdir (lock.json), a rerun with a changed config
+is refused before any write, "corrupt" means unreadable, read-only commands never touch
+checkpoints/, storage failures are one `error:` line, and bad values are refused up front.
+
+Fast tests call the entry points in-process (`train.main(argv)`, `eval.main(argv)` return
+exit codes) on a run whose checkpoints are written directly (`Checkpoints.save` of a fresh
+train state: no training step compiled). Tests that need real training run train.py in a
+subprocess; the two-process lock test stays in the default suite, the full-disk one is marked
+slow: `python -m pytest -q -m slow tests/test_reliability.py`.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+import eval as eval_cli
+import train as train_cli
+from conftest import REPO, tiny_config
+from onona_jax import config as config_lib
+from onona_jax import train as trainer
+from onona_jax.checkpoint import CheckpointMismatch, Checkpoints, restore_params, saved_config
+from onona_jax.train import loop
+from onona_jax.train.lock import WorkdirLock, _proc_start
+
+CONFIG = os.path.join(REPO, "configs/paper.py:dense-tiny-standard")
+OVERRIDES = {
+    "data.seq_len": 32, "model.n_heads": 8, "model.n_kv_heads": 4, "model.head_dim": 8,
+    "train.global_batch": 8, "train.micro_batch": 8, "train.steps": 4, "train.warmup_steps": 2,
+    "train.log_every": 1, "train.eval_every": 1000, "train.checkpoint_every": 2,
+    "eval.windows": 8, "eval.batch": 8, "mesh.data": 1,
+}
+
+
+# In-process runs see conftest's 8 devices (mesh and micro-batch may change on resume).
+IN_PROCESS = {"mesh.data": -1, "train.micro_batch": 1}
+ONE_DEVICE = {"mesh.data": 1, "train.micro_batch": 8}
+
+
+def argv(data_dir, workdir, *extra, spec=CONFIG, **overrides):
+    flags = {**OVERRIDES, **IN_PROCESS, "data.dir": data_dir, **overrides}
+    return [f"--config={spec}", f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items()), *extra]
+
+
+def the_config(data_dir):
+    """The config `argv(...)` requests, as train.py builds it."""
+    cfg = config_lib.load(CONFIG)
+    for k, v in {**OVERRIDES, "data.dir": data_dir}.items():
+        *path, leaf = k.split(".")
+        node = cfg
+        for p in path:
+            node = node[p]
+        node[leaf] = v
+    return config_lib.validate(cfg)
+
+
+def tree_digest(path: Path) -> dict:
+    """Every file (sha256) and directory under `path`."""
+    return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir")
+            for p in sorted(path.rglob("*"))}
+
+
+def errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_data, tmp_path_factory):
+    """A run with checkpoints at steps 2 and 4 of `argv`'s config on one device (a fresh
+    state saved twice: what restore and the config checks read, without training)."""
+    workdir = tmp_path_factory.mktemp("reliability") / "run"
+    cfg = the_config(tiny_data)
+    run = trainer.setup(cfg, jax.devices()[:1])
+    state = trainer.init_state(run, cfg.seed)
+    ckpts = Checkpoints(str(workdir / "checkpoints"), keep=10)
+    for step in (2, 4):
+        ckpts.save(step, state, {"step": step}, cfg.to_json())
+    ckpts.wait()
+    (workdir / "config.json").write_text(cfg.to_json(indent=2))
+    (workdir / "metrics.jsonl").write_text('{"step": 4, "loss": 10.0}\n')
+    return workdir
+
+
+@pytest.fixture
+def copy_run(run_dir, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run_dir, dst)
+    return dst
+
+
+def damage_arrays(workdir: Path, step: int):
+    """Truncate the biggest array file of a step, as a full disk would."""
+    files = sorted((p for p in (workdir / "checkpoints" / str(step) / "state").rglob("*")
+                    if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    with open(files[-1], "r+b") as f:
+        f.truncate(files[-1].stat().st_size // 2)
+
+
+# ----------------------------------------------------------------------------- 1. the lock
+
+
+def lock_info(pid, host=None, proc_start="auto"):
+    return {"host": host or socket.gethostname(), "pid": pid,
+            "proc_start": _proc_start(pid) if proc_start == "auto" else proc_start,
+            "started": time.time(), "argv": ["train.py"]}
+
+
+def test_second_train_exits_2_naming_the_holder(tiny_data, copy_run, capfd):
+    """A live process on this host holds the lock: train.py exits 2 with one error line naming
+    its pid and the fix, and writes nothing (the workdir byte for byte as it was)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (copy_run / "lock.json").write_text(json.dumps(lock_info(holder.pid)))
+        before = tree_digest(copy_run)
+        rc = train_cli.main(argv(tiny_data, copy_run))
+        err = capfd.readouterr().err
+        assert rc == 2, err[-2000:]
+        [line] = errors(err)
+        assert f"pid {holder.pid} on host {socket.gethostname()}" in line and "another --workdir" in line, line
+        assert tree_digest(copy_run) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_concurrent_lockers_exactly_one_wins(tmp_path):
+    """Four processes race for one workdir's lock: exactly one holds it, the others are refused
+    naming that one's pid."""
+    script = ("import importlib.util, sys, time\n"  # lock.py alone: no jax, no package import
+              f"spec = importlib.util.spec_from_file_location('lock', {os.path.join(REPO, 'onona_jax/train/lock.py')!r})\n"
+              "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); WorkdirLock = m.WorkdirLock\n"
+              "try:\n    lock = WorkdirLock(sys.argv[1]).acquire()\nexcept ValueError as e:\n"
+              "    print('refused', e); sys.exit(2)\nprint('held'); sys.stdout.flush(); time.sleep(4); lock.release()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "wd")], stdout=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    outs = [(p.pid, p.communicate(timeout=120)[0], p.returncode) for p in procs]
+    winners = [pid for pid, out, rc in outs if rc == 0 and out.startswith("held")]
+    assert len(winners) == 1, outs
+    for pid, out, rc in outs:
+        if pid != winners[0]:
+            assert rc == 2 and f"pid {winners[0]} " in out, outs
+    assert not (tmp_path / "wd" / "lock.json").exists()  # released at exit
+
+
+def test_stale_lock_on_this_host_is_replaced(tmp_path, capfd):
+    """A dead pid, or a live pid whose process start differs (the pid was reused): replaced
+    with a warning; the lock is ours until released, then gone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for info in (lock_info(dead.pid, proc_start="1"), lock_info(os.getpid(), proc_start="1")):
+        wd = tmp_path / str(info["pid"])
+        wd.mkdir()
+        (wd / "lock.json").write_text(json.dumps(info))
+        lock = WorkdirLock(str(wd)).acquire()
+        assert json.loads((wd / "lock.json").read_text())["pid"] == os.getpid()
+        assert f"replacing a stale lock on {wd} left by pid {info['pid']}" in capfd.readouterr().err
+        lock.release()
+        assert not (wd / "lock.json").exists()
+
+
+def test_lock_from_another_host_needs_break_lock(tmp_path, capfd):
+    (tmp_path / "lock.json").write_text(json.dumps(lock_info(12345, host="node-7", proc_start=None)))
+    with pytest.raises(ValueError, match=r"pid 12345 on host node-7.*rerun with --break_lock"):
+        WorkdirLock(str(tmp_path)).acquire()
+    lock = WorkdirLock(str(tmp_path), break_lock=True).acquire()
+    assert "--break_lock: took the lock" in capfd.readouterr().err
+    assert json.loads((tmp_path / "lock.json").read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+# ----------------------------------------------------------------------------- 2-3. changed configs
+
+
+@pytest.mark.parametrize("spec,overrides,key", [
+    (CONFIG, {"model.d_model": 128}, "model.d_model: 64 → 128"),  # parameters
+    (CONFIG, {"train.lr": 1e-4}, "train.lr: 0.003 → 0.0001"),  # optimizer trajectory (issue 12 item 3)
+    (CONFIG, {"data.seed": 7}, "data.seed: 0 → 7"),  # data stream
+    (CONFIG, {"eval.windows": 4}, "eval.windows: 8 → 4"),  # what val_loss means
+    (CONFIG.replace("standard", "twin"), {}, "model.head: 'standard' → 'twin'"),  # another config
+])
+def test_changed_config_exits_2_before_any_write(tiny_data, copy_run, capfd, spec, overrides, key):
+    """Each class of non-resumable key: exit 2, one error line naming the key (saved →
+    requested) and both fixes; checkpoints, config.json and metrics.jsonl untouched."""
+    before = tree_digest(copy_run)
+    rc = train_cli.main(argv(tiny_data, copy_run, spec=spec, **overrides))
+    err = capfd.readouterr().err
+    assert rc == 2, err[-2000:]
+    [line] = errors(err)
+    assert key in line and "drop those overrides" in line and "new --workdir" in line, line
+    assert tree_digest(copy_run) == before
+
+
+def test_resumable_keys_pass_and_fewer_steps_do_not(tiny_data, run_dir):
+    cfg = the_config(tiny_data)
+    cfg.train.update(steps=40, log_every=5, eval_every=7, checkpoint_every=3, keep_checkpoints=9, micro_batch=4)
+    cfg.eval.batch = 4
+    loop.check_resume(cfg, trainer.setup(cfg, jax.devices()[:1]), str(run_dir))  # no error
+    cfg.train.steps = 3
+    with pytest.raises(ValueError, match=r"train.steps resolves to 3, below the checkpoint's step 4"):
+        loop.check_resume(cfg, trainer.setup(cfg, jax.devices()[:1]), str(run_dir))
+
+
+def test_resumable_keys_are_listed_in_the_readme():
+    readme = (Path(REPO) / "README.md").read_text()
+    section = readme[readme.index("### Resuming with a changed config"):]
+    section = section[:section.index("\n#", 1)]
+    assert [k for k in config_lib.RESUMABLE_KEYS if f"`{k}`" not in section] == []
+
+
+def test_config_of_an_older_version_is_filled_from_defaults(copy_run, capfd):
+    meta = copy_run / "checkpoints" / "4" / "config" / "metadata"
+    saved = json.loads(meta.read_text())
+    del saved["model"]["loss_chunk"]
+    meta.write_text(json.dumps(saved))
+    cfg = saved_config(str(copy_run))
+    assert cfg.model.loss_chunk == config_lib.base_config().model.loss_chunk
+    assert "predates keys model.loss_chunk; using their defaults" in capfd.readouterr().err
+    saved["model"]["from_the_future"] = 1
+    meta.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"model.from_the_future.*newer onona-jax"):
+        saved_config(str(copy_run))
+
+
+# ----------------------------------------------------------------------------- 4. corrupt = unreadable
+
+
+def test_read_only_readers_skip_a_broken_step_and_touch_nothing(copy_run, capfd):
+    """Damaged arrays at step 4: saved_config and restore_params (what eval, generate,
+    export, analysis and serving use) use step 2, say so in one warning paragraph, and the
+    run's tree hashes the same before and after."""
+    damage_arrays(copy_run, 4)
+    before = tree_digest(copy_run)
+    assert saved_config(str(copy_run)).model.head == "standard"  # step 4's config reads fine
+    _, step, cfg, _ = restore_params(str(copy_run), None, (1, 1, 1), jax.devices()[:1])
+    err = capfd.readouterr().err
+    assert step == 2 and cfg.model.head == "standard"
+    assert tree_digest(copy_run) == before
+    assert re.search(r"^warning: checkpoint at step 4 could not be restored \(.*\); left in place \(this "
+                     r"command only reads\) and falling back", err), err
+    assert "using checkpoint step 2" in err and len(err.strip().splitlines()) == 2, err
+
+
+def test_missing_config_metadata_falls_back_in_eval(run_dir, tmp_path, capfd):
+    """eval.py on a run whose newest step lacks config/metadata: it evaluates step 2, writes
+    its result, and leaves checkpoints/ as it was."""
+    work = tmp_path / "run"
+    shutil.copytree(run_dir, work)
+    (work / "checkpoints" / "4" / "config" / "metadata").unlink()
+    before = tree_digest(work / "checkpoints")
+    out = tmp_path / "out" / "eval.json"
+    rc = eval_cli.main([f"--workdir={work}", "--mesh=1,1,1", f"--output={out}"])
+    err = capfd.readouterr().err
+    assert rc == 0, err[-2000:]
+    assert json.loads(out.read_text())["step"] == 2
+    assert tree_digest(work / "checkpoints") == before
+    assert "FileNotFoundError" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("step,rc,words", [
+    (4, 1, "checkpoint at step 4 in"),  # broken
+    (3, 2, "no checkpoint at step 3"),  # missing
+])
+def test_explicit_step_missing_or_broken_is_one_error_line(copy_run, capfd, step, rc, words):
+    damage_arrays(copy_run, 4)
+    before = tree_digest(copy_run)
+    assert eval_cli.main([f"--workdir={copy_run}", f"--step={step}", "--mesh=1,1,1"]) == rc
+    err = capfd.readouterr().err
+    [line] = errors(err)
+    assert words in line and "Traceback" not in err, err
+    assert tree_digest(copy_run) == before
+
+
+def test_writer_sets_aside_only_unreadable_steps(tiny_data, copy_run, capfd):
+    """train.py's restore: a shape mismatch (another model) is an error naming the array and
+    moves nothing; damaged arrays are set aside to corrupt/ with one warning paragraph (no
+    Orbax or asyncio noise)."""
+    other = the_config(tiny_data)
+    other.model.d_model = 128
+    run = trainer.setup(other, jax.devices()[:1])
+    ckpts = Checkpoints(str(copy_run / "checkpoints"))
+    with pytest.raises(CheckpointMismatch, match=r"step 4 .*holds a different model: .*shape \(50304, 64\) saved, "
+                       r"\(50304, 128\) wanted"):
+        ckpts.restore_latest(trainer.abstract_train_state(run))
+    assert ckpts.steps() == [2, 4] and not (copy_run / "checkpoints" / "corrupt").exists()
+
+    damage_arrays(copy_run, 4)
+    capfd.readouterr()
+    cfg = the_config(tiny_data)
+    run = trainer.setup(cfg, jax.devices()[:1])
+    step, *_ = ckpts.restore_latest(trainer.abstract_train_state(run))
+    err = capfd.readouterr().err
+    assert step == 2 and ckpts.steps() == [2]
+    assert len(list((copy_run / "checkpoints" / "corrupt").glob("4-*"))) == 1
+    assert len(err.strip().splitlines()) == 1 and "moved to" in err, err
+
+
+# ----------------------------------------------------------------------------- 5. storage failures
+
+
+def test_metrics_never_torn_and_a_resume_repairs_the_tail(tmp_path, monkeypatch, capfd):
+    """A write that fails half-way (disk full) leaves metrics.jsonl as it was and stops with
+    cli.Failure; a torn tail left by a crash is cut on resume and the restart marked."""
+    from onona_jax import cli
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 10.0}\n{"step": 2, "lo')
+    log = loop.MetricsLog(str(tmp_path))
+    log.restart(2)
+    assert "ended in a torn line (15 bytes" in capfd.readouterr().err
+    log.write(3, {"loss": 9.0})
+    good = (tmp_path / "metrics.jsonl").read_bytes()
+    assert [json.loads(x) for x in good.decode().splitlines()][1:] == [
+        {"step": 2, "restart": True, "time": json.loads(good.decode().splitlines()[1])["time"]},
+        {"step": 3, "loss": 9.0}]
+
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop.os, "write", half_then_full)
+    with pytest.raises(cli.Failure, match=r"could not write .*metrics.jsonl \(No space left on device\); stopping"):
+        log.write(4, {"loss": 8.0})
+    monkeypatch.undo()
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == good
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Make a directory read-only for this process (chmod; as root also chattr +i), or skip."""
+    made = []
+
+    def make(path: Path):
+        path.chmod(0o555)
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+        made.append(path)
+        try:
+            (path / ".probe").write_text("x")
+        except OSError:
+            return
+        (path / ".probe").unlink()
+        pytest.skip("cannot make a read-only directory here")
+
+    yield make
+    for path in made:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+        path.chmod(0o755)
+
+
+def test_read_only_checkpoints_is_one_error_line_at_once(tiny_data, copy_run, read_only, capfd):
+    """Before: a traceback and a 5-minute hang inside Orbax. Now: exit 1 within seconds, one
+    error line naming the directory, checkpoints intact, the lock released."""
+    before = tree_digest(copy_run / "checkpoints")
+    read_only(copy_run / "checkpoints")
+    t = time.perf_counter()
+    rc = train_cli.main(argv(tiny_data, copy_run, **{"train.steps": 6}))
+    err = capfd.readouterr().err
+    assert rc == 1 and time.perf_counter() - t < 30, err[-2000:]
+    [line] = errors(err)
+    assert f"cannot write to {copy_run / 'checkpoints'}" in line and "Traceback" not in err, err
+    assert tree_digest(copy_run / "checkpoints") == before
+    assert not (copy_run / "lock.json").exists()
+
+
+def test_eval_output_checked_before_the_work(run_dir, tmp_path, read_only, capfd):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    read_only(ro)
+    t = time.perf_counter()
+    assert eval_cli.main([f"--workdir={run_dir}", f"--output={ro / 'eval.json'}", "--mesh=1,1,1"]) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert f"--output={ro / 'eval.json'}: cannot write to {ro}" in line
+    assert time.perf_counter() - t < 5  # nothing restored or compiled
+
+
+# ----------------------------------------------------------------------------- 6. validation
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("train.steps", -5, "train.steps=-5 must be positive"),
+    ("train.lr", -1e-3, "train.lr=-0.001 must be positive"),
+    ("train.lr", 0.0, "train.lr=0.0 must be positive"),
+    ("train.checkpoint_every", 0, "train.checkpoint_every=0 must be positive"),
+    ("train.log_every", 0, "train.log_every=0 must be positive"),
+    ("train.eval_every", 0, "train.eval_every=0 must be positive"),
+    ("data.seq_len", 0, "data.seq_len=0 must be positive"),
+    ("train.global_batch", 0, "train.global_batch=0 must be positive"),
+])
+def test_bad_values_rejected_before_any_write(tiny_data, tmp_path, capfd, key, value, words):
+    workdir = tmp_path / "wd"
+    assert train_cli.main(argv(tiny_data, workdir, **{key: value})) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert words in line, line
+    assert not workdir.exists()
+
+
+def test_generate_max_new_tokens_and_long_prompt(run_dir, capfd):
+    from onona_jax.serve import generate
+
+    assert generate.main([f"--workdir={run_dir}", "--max_new_tokens=0"]) == 2
+    assert errors(capfd.readouterr().err) == ["error: --max_new_tokens=0: give at least 1 token to generate"]
+    prompt = list(range(100))
+    assert generate.fit_prompt(prompt, 32, 8) == (list(range(76, 100)), 76)  # the END is kept
+    assert generate.fit_prompt(prompt[:5], 32, 8) == (prompt[:5], 0)
+
+
+# ----------------------------------------------------------------------------- real train.py runs
+
+
+def train_env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    return env
+
+
+def test_two_train_processes_on_one_workdir(tiny_data, tmp_path):
+    """The issue's reproduction: a second train.py (another lr) started while the first runs
+    exits 2 naming the first; the first finishes alone (metrics.jsonl holds one run). In the
+    default suite: ~20 s, the one real two-process test of the lock."""
+    workdir = tmp_path / "wd"
+    first = subprocess.Popen([sys.executable, "train.py", *argv(tiny_data, workdir, **ONE_DEVICE, **{"train.steps": 6})],
+                             cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (workdir / "lock.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, "train.py", *argv(tiny_data, workdir, **ONE_DEVICE,
+                                **{"train.steps": 6, "train.lr": 1e-4})], cwd=REPO, env=train_env(), capture_output=True, text=True,
+                                timeout=300)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"pid {first.pid} " in errors(second.stderr)[0]
+        out, _ = first.communicate(timeout=600)
+        assert first.returncode == 0, out[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert not (workdir / "lock.json").exists()
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_save_stops_cleanly(tiny_data, tmp_path):
+    """Files limited to 1 MB (RLIMIT_FSIZE: a full disk for the checkpoint's arrays, not for
+    metrics lines): train.py exits 1 with one error line within seconds of the failed save,
+    no traceback, no half checkpoint listed, the lock released."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+    workdir = tmp_path / "wd"
+    p = subprocess.run([sys.executable, "train.py", *argv(tiny_data, workdir, **ONE_DEVICE)], cwd=REPO,
+                       env=train_env(), capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    assert p.returncode == 1, p.stderr[-3000:]
+    [line] = errors(p.stderr)
+    assert "could not write a checkpoint" in line and "rerun the same command" in line, line
+    assert "Traceback" not in p.stderr
+    assert sorted(x.name for x in (workdir / "checkpoints").iterdir() if x.name.isdigit()) == []
+    assert not (workdir / "lock.json").exists()
