@@ -12,7 +12,9 @@ shardings, compiles them with the TPU compiler and reports, per device:
 
 * HBM from XLA's buffer assignment (`compiled.memory_analysis()`): arguments, temporaries,
   outputs (less what the donated state aliases) and their total, against the chip's HBM;
-* FLOPs per step (`compiled.cost_analysis()`);
+* FLOPs per step and device: the model's (`summary.flops_per_token` × tokens / devices) and
+  XLA's `compiled.cost_analysis()` (`xla_flops`, which counts every while-loop body once: the
+  scanned layers, micro-batches and loss chunks, so it is a lower bound);
 * collective bytes per step by kind, read from the optimized HLO: each all-gather,
   reduce-scatter, all-reduce, all-to-all and collective-permute counts the larger of its
   input and output on one device, times the trip counts of the loops around it (the layer
@@ -240,7 +242,7 @@ def _trip_count(while_line: str, condition: list[str]) -> int:
     return 1
 
 
-def collective_bytes(hlo: str, n_devices: int = 1) -> dict[str, int]:
+def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) -> dict[str, int]:
     """Bytes per device per execution of the ENTRY computation, by collective kind, from
     optimized HLO text.
 
@@ -301,6 +303,9 @@ def collective_bytes(hlo: str, n_devices: int = 1) -> dict[str, int]:
     out = dict.fromkeys(COLLECTIVES, 0)
     for kind, n, nbytes in counted.values():
         out[kind] += n * nbytes
+    if details is not None:  # the biggest contributors, for reading where traffic comes from
+        for key, (kind, n, nbytes) in sorted(counted.items(), key=lambda kv: -kv[1][1] * kv[1][2]):
+            details.append({"kind": kind, "id": key[1], "executions": n, "bytes": nbytes})
     return out
 
 
@@ -356,13 +361,29 @@ def _analyse(compiled, seconds: float, hbm: int, n_devices: int) -> dict:
     total = args + out - alias + temps  # donated inputs that become outputs are counted once
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    details: list = []
+    collectives = collective_bytes(hlo, n_devices, details)
     return {
         "arguments": int(args), "temporaries": int(temps), "outputs": int(out - alias),
         "generated_code": int(mem.generated_code_size_in_bytes), "total": int(total),
         "hbm": int(hbm), "fits": bool(total <= hbm), "compile_s": round(seconds, 2),
-        "flops": float(cost.get("flops", 0.0)) if cost else 0.0,
-        "collective_bytes": collective_bytes(compiled.as_text(), n_devices),
+        # XLA's count visits each while-loop body once (one layer of the scan, one micro-batch,
+        # one vocabulary chunk): a lower bound, kept for reference; model_flops is the step's.
+        "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "collective_bytes": collectives,
+        "top_collectives": [_describe(d, hlo) for d in details[:8]],
     }
+
+
+def _describe(d: dict, hlo: str) -> dict:
+    """A collective's result shape and the jax op it came from (its metadata op_name)."""
+    line = next((l for l in hlo.splitlines() if f"channel_id={d['id']}," in l and d["kind"] in l), "")
+    m = _OP.search(line)
+    shapes = ["%s[%s]" % x for x in _SHAPE.findall(m.group(1))] if m else []
+    op = re.search(r'op_name="([^"]*)"', line)
+    shape = shapes[0] if len(shapes) == 1 else f"{len(shapes)} arrays, largest {max(shapes, key=len)}" if shapes else ""
+    return {**d, "shape": shape, "op": op.group(1)[-120:] if op else ""}
 
 
 def _abstract(shape, dtype, sharding):
@@ -397,7 +418,7 @@ def compile_train(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     dict (see module docstring). Raises DoesNotFit, or ValueError for a config the mesh rejects."""
     import numpy as np
 
-    from onona_jax import trainer
+    from onona_jax import summary, trainer
 
     devices = devices or topology_devices(s)
     run = trainer.setup(cfg, devices=devices)
@@ -405,6 +426,8 @@ def compile_train(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     batch = _abstract((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32, run.batch_sharding)
     compiled, seconds = _compile(trainer.make_train_step(run), state, batch)
     out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices))
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    out["model_flops"] = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"] * tokens / len(devices)
     out.update(micro_batch=cfg.train.global_batch // (run.accum * run.dp), accum=run.accum,
                remat=cfg.model.remat, mesh={a: int(n) for a, n in run.mesh.shape.items()})
     return out
@@ -416,7 +439,7 @@ def compile_eval(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from onona_jax import trainer
+    from onona_jax import summary, trainer
 
     devices = devices or topology_devices(s)
     run = trainer.setup(cfg, devices=devices)
@@ -428,6 +451,7 @@ def compile_eval(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     compiled, seconds = _compile(trainer.make_eval_step(run), params, tokens, weights)
     out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices))
     out["batch"] = b
+    out["model_flops"] = summary.flops_per_token(cfg.model, cfg.data.seq_len)["forward"] * b * cfg.data.seq_len / len(devices)
     return out
 
 
@@ -545,7 +569,7 @@ def format_table(result: dict) -> str:
             lines.append(
                 f"{head_name:<10} {step:<5} {_gib(x['arguments']):>9} {_gib(x['temporaries']):>9} "
                 f"{_gib(x['outputs']):>8} {_gib(x['total']):>9} {'yes' if x['fits'] else 'NO':>4} "
-                f"{x['compile_s']:>9.1f} {x['flops'] / 1e12:>9.2f} {coll}")
+                f"{x['compile_s']:>9.1f} {x['model_flops'] / 1e12:>9.2f} {coll}")
         t = r.get("train")
         if t:
             lines.append(f"{'':<10} train: mesh {t['mesh']}, micro_batch {t['micro_batch']} × "
@@ -566,8 +590,8 @@ def ratios(twin: dict, standard: dict) -> dict:
     """Twin/standard ratios of the train step's per-device HBM, FLOPs and collective bytes."""
     a, b = twin["train"], standard["train"]
     out = {f"hbm_{k}": a[k] / b[k] for k in ("total", "temporaries", "arguments") if b.get(k)}
-    if b["flops"]:
-        out["flops"] = a["flops"] / b["flops"]
+    if b.get("model_flops"):
+        out["model_flops"] = a["model_flops"] / b["model_flops"]
     ca, cb = sum(a["collective_bytes"].values()), sum(b["collective_bytes"].values())
     if cb:
         out["collective_bytes"] = ca / cb
