@@ -26,6 +26,8 @@ for row in $rows; do
     dense-330m) aot dense-330m-v5p-64 --config=configs/paper.py:dense-330m-twin --topology=v5p-64 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     dense-1b) aot dense-1b-v5p-256 --config=configs/paper.py:dense-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     moe-1b) aot moe-1b-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --config.train.micro_batch=0 --noeval_step ;;
+    # one 8-GPU H100 host, the README's recipe (pure data parallel, micro-batch 16 × 2); needs the gpu-aot extra
+    dense-142m-h100) aot dense-142m-h100-8 --config=configs/paper.py:dense-142m-twin --topology=h100-8 --config.mesh.data=8 --compare_head=standard --noeval_step ;;
     *) echo "unknown row $row" >&2 ;;
   esac
 done
