@@ -13,11 +13,12 @@ import pytest
 
 from onona_jax import aot
 
-pytestmark = pytest.mark.skipif(aot.libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
+needs_libtpu = pytest.mark.skipif(aot.libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@needs_libtpu
 def test_slice_names_map_to_topologies_with_their_chip_and_device_counts():
     # v4/v5p names count TensorCores (2 per chip), v5e/v6e names count chips.
     expected = {
@@ -44,6 +45,7 @@ def test_slice_names_map_to_topologies_with_their_chip_and_device_counts():
         aot.get_slice("v5e-17")
 
 
+@needs_libtpu
 def test_tiny_compile_on_v5e_4_argument_bytes_match_the_shardings():
     """TPU buffer assignment of the train step's inputs = parameters + AdamW state + step +
     batch, each at its shard's size. The model's widths are multiples of 128 so that no shard
@@ -146,6 +148,7 @@ def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+@needs_libtpu
 def test_config_that_does_not_fit_exits_1_with_needed_available_and_overrides():
     r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=v5e-4", "--hbm_gib=0.01",
              "--noeval_step")
@@ -160,6 +163,13 @@ def test_config_that_does_not_fit_exits_1_with_needed_available_and_overrides():
     assert "NO" in r.stdout.split("twin       train")[1].splitlines()[0]
 
 
+def test_without_libtpu_the_message_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
+    assert aot.compiler_missing(aot.get_slice("v5e-16")) == aot.libtpu_missing()
+    assert "pip install -e '.[tpu-aot]' (or pip install 'libtpu==0.0.42.*'" in aot.libtpu_missing()
+    assert "pip install -e '.[gpu-aot]'" in aot.compiler_missing(aot.get_slice("h100-8"))
+
+
 def test_unknown_slice_is_one_error_line_before_any_compile():
     r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=v5e-17")
     assert r.returncode == 2
@@ -167,6 +177,7 @@ def test_unknown_slice_is_one_error_line_before_any_compile():
     assert "unknown --topology='v5e-17'; choose a slice name: v4-8" in r.stderr
 
 
+@needs_libtpu
 @pytest.mark.slow
 def test_paper_142m_twin_fits_v5e_16_with_micro_batch_4():
     """The issue's target: dense-142m-twin at global batch 256 × 1,024 on v5e-16 with fsdp=16
