@@ -208,6 +208,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CHANNEL = re.compile(r"channel_id=(\d+)")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _CONSTANT = re.compile(r"[su]32\[\]\S* constant\((\d+)\)")
 
 
@@ -220,6 +221,10 @@ def _shape_bytes(text: str) -> list[int]:
 
 
 def _group_size(line: str, n_devices: int) -> int:
+    m = _MESH_GROUPS.search(line)  # mesh['axis_0'=1,'axis_1'=16] {'axis_1'}: the named axes' product
+    if m:
+        sizes = dict((k.strip("' "), int(v)) for k, v in (a.split("=") for a in m.group(1).split(",")))
+        return math.prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip())
     m = _IOTA_GROUPS.search(line)
     if m:
         return int(m.group(2))
@@ -250,7 +255,9 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
     size), an all-reduce, all-to-all or collective-permute its buffer; each is multiplied by
     the trip counts of the while loops around it (the layer scan, the micro-batch scan, the
     fused loss's vocabulary chunks). XLA:TPU wraps asynchronous collectives in fusions that
-    repeat the op (start, done): one channel id counts once."""
+    repeat the op (start, continuations, done) and may carry one through a later loop (the
+    layer scan) to overlap it with compute: one channel id counts once, as often as the
+    least-repeated of its copies runs (where it is issued)."""
     bodies: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
@@ -298,7 +305,7 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
             channel = _CHANNEL.search(line)
             key = ("channel", channel.group(1)) if channel else (name, i)
             old = counted.get(key)
-            if old is None or times[name] * nbytes > old[1] * old[2]:
+            if old is None or times[name] < old[1]:
                 counted[key] = (kind, times[name], nbytes)
     out = dict.fromkeys(COLLECTIVES, 0)
     for kind, n, nbytes in counted.values():

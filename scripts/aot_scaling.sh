@@ -17,6 +17,8 @@ rows=${*:-dense-142m dense-142m-standard moe-142m gdn-142m attnres-142m dense-33
 for row in $rows; do
   case $row in
     dense-142m) aot dense-142m-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --compare_head=standard --fit ;;
+    # the same compiles at --fit's choice, without the search (faster to rerun)
+    dense-142m-at4) aot dense-142m-at4-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --compare_head=standard --config.train.micro_batch=4 --noeval_step ;;
     dense-142m-standard) aot dense-142m-standard-v5e-16 --config=configs/paper.py:dense-142m-standard --topology=v5e-16 $FSDP --fit --noeval_step ;;
     moe-142m|gdn-142m|attnres-142m)
       aot ${row}-v5e-16 --config=configs/paper.py:${row}-twin --topology=v5e-16 $FSDP --compare_head=standard \

@@ -98,12 +98,26 @@ SYNTHETIC_HLO = """HloModule m
   ROOT %cd = f32[32,128] custom-call(%ag2), custom_call_target="AsyncCollectiveDone"
 }
 
+%continuation (x: f32[8,128]) -> f32[32,128] {
+  %x = f32[8,128] parameter(0)
+  ROOT %ag3 = f32[32,128]{1,0:T(8,128)} all-gather(%x), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}
+}
+
+%inner (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]) parameter(0)
+  %x = f32[8,128] get-tuple-element(%p), index=1
+  %c = f32[32,128] fusion(%x), kind=kCustom, calls=%continuation
+  ROOT %t = (s32[], f32[8,128]) tuple(%i, %x)
+}
+
 %body (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
   %p = (s32[], f32[8,128]) parameter(0)
   %x = f32[8,128] get-tuple-element(%p), index=1
   %s = (f32[8,128], f32[32,128]) fusion(%x), kind=kCustom, calls=%start_fusion
+  %w2 = (s32[], f32[8,128]) while(%t1), condition=%cond, body=%inner
   %d = f32[32,128] fusion(%x), kind=kCustom, calls=%done_fusion
   %rs = bf16[2,128]{1,0} reduce-scatter(%d), channel_id=8, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  %rs2 = f32[2,128]{1,0} reduce-scatter(%d), channel_id=11, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}, to_apply=%add
   ROOT %t = (s32[], f32[8,128]) tuple(%i, %x)
 }
 
@@ -121,8 +135,10 @@ ENTRY %main (a: f32[8,128]) -> f32[8,128] {
 def test_collective_bytes_reads_loops_async_pairs_and_reduce_scatter():
     out = aot.collective_bytes(SYNTHETIC_HLO, n_devices=8)
     assert out == {
-        "all-gather": 16 * 32 * 128 * 4,  # once per channel (start and done repeat it), 16 trips
-        "reduce-scatter": 16 * 2 * 128 * 2 * 4,  # the full input: result × group of 4
+        # once per channel (start, done and a continuation carried through the inner loop
+        # repeat it), as often as it is issued: 16 trips, not 16 × 16
+        "all-gather": 16 * 32 * 128 * 4,
+        "reduce-scatter": 16 * 2 * 128 * (2 + 4) * 4,  # the full input: result × group of 4
         "all-reduce": 8 * 128 * 4,
         "all-to-all": 0,
         "collective-permute": 8 * 128 * 4,  # the -start tuple holds input and output: counted once
