@@ -299,7 +299,12 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
             sizes = _shape_bytes(result)
             if not sizes:
                 continue
-            nbytes = max(sizes) if (start or len(sizes) == 1) else sum(sizes)  # -start: (in, out, ...)
+            if start and kind == "collective-permute":  # (input, output, contexts)
+                nbytes = max(sizes)
+            elif start and kind == "all-gather":  # (inputs..., outputs...)
+                nbytes = sum(sizes[len(sizes) // 2:])
+            else:  # one array, or a combined collective's tuple of outputs
+                nbytes = sum(sizes)
             if kind == "reduce-scatter":
                 nbytes *= _group_size(line, n_devices)
             channel = _CHANNEL.search(line)
