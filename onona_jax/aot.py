@@ -1,11 +1,12 @@
-"""Ahead-of-time compilation for TPU slices from a CPU host: does a config fit, and what does
-one step cost there?
+"""Ahead-of-time compilation for TPU slices (and 8-GPU H100/H200 hosts) from a CPU host: does
+a config fit, and what does one step cost there?
 
     python -m onona_jax.aot --config=configs/paper.py:dense-142m-twin --topology=v5e-16 \\
         --config.mesh.data=1 --config.mesh.fsdp=-1 [--compare_head=standard] [--fit] [--json]
 
 With `libtpu` installed (`pip install -e '.[tpu-aot]'`), `jax.experimental.topologies` describes
-the devices of any TPU slice without owning one. This module builds the run's mesh on those
+the devices of any TPU slice without owning one (with the PJRT CUDA plugin, `.[gpu-aot]`, and a
+GPU target config, those of GPU hosts). This module builds the run's mesh on those
 devices with the trainer's own `setup` (the same `sharding.RULES`), lowers the trainer's own
 train and eval steps (`make_train_step`, `make_eval_step`) from abstract shapes that carry the
 shardings, compiles them with the TPU compiler and reports, per device:
@@ -536,7 +537,7 @@ def fit(cfg, s: Slice, devices=None, hbm: int | None = None, log=None) -> dict:
     return {"overrides": {}, "train": None, "tried": tried}
 
 
-def suggestions(cfg, s: Slice, report: dict) -> list[str]:
+def suggestions(cfg, s: Slice, report: dict, fit_ran: bool = False) -> list[str]:
     """Overrides likely to help a config that does not fit (the first is a linear estimate of
     the micro-batch: temporaries grow with it; `--fit` checks it by compiling)."""
     hints = []
@@ -554,6 +555,9 @@ def suggestions(cfg, s: Slice, report: dict) -> list[str]:
         hints.append(f"--config.train.micro_batch={_divisors_desc(micro)[1]} or smaller")
     if cfg.model.remat != "full":
         hints.append(f"--config.model.remat={'dots' if cfg.model.remat == 'none' else 'full'}")
+    if fit_ran:  # micro-batch 1 with full remat did not fit: more chips or tensor parallelism
+        return [h for h in hints if "micro_batch" not in h and "remat" not in h] + [
+            "a larger slice", "--config.mesh.tensor=2 or 4 (heads, KV heads, FFN width and vocabulary must divide)"]
     hints.append("--fit (search micro-batch and remat by compiling)")
     return hints
 
@@ -694,7 +698,7 @@ def main(argv):
         needed = f"{err.needed / GiB:.2f} GiB" if err.needed else "more than available"
         avail = (err.available or hbm or s.hbm_per_device) / GiB
         _error(f"{cfg.name or 'config'} does not fit on {s.name}: needs {needed} of HBM per device, "
-               f"{avail:.2f} GiB available ({err}); try " + "; ".join(suggestions(cfg, s, report)), 1)
+               f"{avail:.2f} GiB available ({err}); try " + "; ".join(suggestions(cfg, s, report, FLAGS.fit)), 1)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=2)
