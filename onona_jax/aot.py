@@ -395,7 +395,8 @@ def _describe(d: dict, hlo: str) -> dict:
     m = _OP.search(line)
     shapes = ["%s[%s]" % x for x in _SHAPE.findall(m.group(1))] if m else []
     op = re.search(r'op_name="([^"]*)"', line)
-    shape = shapes[0] if len(shapes) == 1 else f"{len(shapes)} arrays, largest {max(shapes, key=len)}" if shapes else ""
+    largest = max(shapes, key=lambda x: _shape_bytes(x)[0]) if shapes else ""
+    shape = shapes[0] if len(shapes) == 1 else f"{len(shapes)} arrays, largest {largest}" if shapes else ""
     return {**d, "shape": shape, "op": op.group(1)[-120:] if op else ""}
 
 
