@@ -1,0 +1,208 @@
+"""Ahead-of-time compilation for TPU slices (onona_jax/aot.py): the slice table, TPU buffer
+assignment against the shardings, the collective-bytes reader, and the does-not-fit path.
+
+Needs libtpu (`pip install -e '.[tpu-aot]'`; the README's test command installs it). The 142M
+compiles are `slow` (about 2 minutes of CPU each):  python -m pytest -q -m slow tests/test_aot.py
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from onona_jax import aot
+
+needs_libtpu = pytest.mark.skipif(aot.libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@needs_libtpu
+def test_slice_names_map_to_topologies_with_their_chip_and_device_counts():
+    # v4/v5p names count TensorCores (2 per chip), v5e/v6e names count chips.
+    expected = {
+        "v4-8": ("v4:2x2x1", 4), "v4-4096": ("v4:8x16x16", 2048),
+        "v5p-8": ("v5p:2x2x1", 4), "v5p-64": ("v5p:2x4x4", 32), "v5p-256": ("v5p:4x4x8", 128),
+        "v5p-1024": ("v5p:8x8x8", 512),
+        "v5e-1": ("v5e:1x1", 1), "v5e-16": ("v5e:4x4", 16), "v5e-256": ("v5e:16x16", 256),
+        "v6e-1": ("v6e:1x1", 1), "v6e-8": ("v6e:2x4", 8), "v6e-256": ("v6e:16x16", 256),
+    }
+    for name, (topology, chips) in expected.items():
+        s = aot.get_slice(name)
+        assert (s.topology, s.chips) == (topology, chips), name
+    tpu = {n: s for n, s in aot.SLICES.items() if s.platform == "tpu"}
+    assert len(tpu) == 10 + 8 + 8 + 8  # v4-8..4096, v5p-8..1024, v5e/v6e-1..256
+    assert (aot.get_slice("h100-16").topology, aot.get_slice("h200-8").chips) == ("1x2x8", 8)
+    kinds = {"v4": "TPU v4", "v5p": "TPU v5", "v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
+    for name, s in tpu.items():
+        devices = aot.topology_devices(s)
+        assert len(devices) == s.devices, name
+        assert len({tuple(d.coords) for d in devices}) == s.chips, name  # one coordinate per chip
+        assert {d.device_kind for d in devices} == {kinds[s.generation]}, name
+    assert aot.get_slice("v5e:4x4") is aot.SLICES["v5e-16"]
+    with pytest.raises(ValueError, match="unknown --topology='v5e-17'"):
+        aot.get_slice("v5e-17")
+
+
+@needs_libtpu
+def test_tiny_compile_on_v5e_4_argument_bytes_match_the_shardings():
+    """TPU buffer assignment of the train step's inputs = parameters + AdamW state + step +
+    batch, each at its shard's size. The model's widths are multiples of 128 so that no shard
+    is padded to TPU's (8, 128) tiles (dense-tiny's 16-wide shards pad by 3%)."""
+    from onona_jax import config, trainer
+
+    cfg = config.load("configs/paper.py:dense-tiny-twin")
+    cfg.model.update(d_model=128, n_heads=1, n_kv_heads=1, head_dim=128, d_ff=256)
+    cfg.mesh.update(data=1, fsdp=4, tensor=1)
+    cfg.train.micro_batch = 1  # 8 rows over 4 replicas: 2 micro-batches accumulated
+    s = aot.get_slice("v5e-4")
+    devices = aot.topology_devices(s)
+    expected = aot.expected_argument_bytes(trainer.setup(cfg, devices=devices))
+    # fsdp=4 splits every table and matrix 4 ways: 2 tables of 50,304 × 128 fp32 per device
+    assert expected["params"] > 2 * 50304 * 128 * 4 // 4
+    assert expected["opt_state"] == pytest.approx(2 * expected["params"], rel=1e-4)  # AdamW mu, nu
+    report = aot.compile_train(cfg, s, devices)
+    assert report["arguments"] == pytest.approx(sum(expected.values()), rel=0.01)
+    assert report["fits"] and report["hbm"] == 16 * aot.GiB
+    assert report["total"] >= report["arguments"] + report["temporaries"]
+    # fsdp gathers the 3/4 of each table a device lacks in every micro-batch (the loops' trips)
+    assert report["accum"] == 2
+    assert report["collective_bytes"]["all-gather"] >= 2 * 2 * 50304 * 128 * 4 * 3 // 4
+
+
+SYNTHETIC_HLO = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%cond (p: (s32[], f32[8,128])) -> pred[] {
+  %p = (s32[], f32[8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[]{:T(128)} constant(16)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%start_fusion (x: f32[8,128]) -> (f32[8,128], f32[32,128]) {
+  %x = f32[8,128] parameter(0)
+  %ag = f32[32,128]{1,0:T(8,128)} all-gather(%x), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %cc = (f32[8,128], f32[32,128]) custom-call(%ag), custom_call_target="AsyncCollectiveStart"
+}
+
+%done_fusion (x: f32[8,128]) -> f32[32,128] {
+  %x = f32[8,128] parameter(0)
+  %ag2 = f32[32,128]{1,0:T(8,128)} all-gather(%x), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %cd = f32[32,128] custom-call(%ag2), custom_call_target="AsyncCollectiveDone"
+}
+
+%continuation (x: f32[8,128]) -> f32[32,128] {
+  %x = f32[8,128] parameter(0)
+  ROOT %ag3 = f32[32,128]{1,0:T(8,128)} all-gather(%x), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}
+}
+
+%inner (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]) parameter(0)
+  %x = f32[8,128] get-tuple-element(%p), index=1
+  %c = f32[32,128] fusion(%x), kind=kCustom, calls=%continuation
+  ROOT %t = (s32[], f32[8,128]) tuple(%i, %x)
+}
+
+%body (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]) parameter(0)
+  %x = f32[8,128] get-tuple-element(%p), index=1
+  %s = (f32[8,128], f32[32,128]) fusion(%x), kind=kCustom, calls=%start_fusion
+  %w2 = (s32[], f32[8,128]) while(%t1), condition=%cond, body=%inner
+  %d = f32[32,128] fusion(%x), kind=kCustom, calls=%done_fusion
+  %rs = bf16[2,128]{1,0} reduce-scatter(%d), channel_id=8, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  %rs2 = f32[2,128]{1,0} reduce-scatter(%d), channel_id=11, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}, to_apply=%add
+  ROOT %t = (s32[], f32[8,128]) tuple(%i, %x)
+}
+
+ENTRY %main (a: f32[8,128]) -> f32[8,128] {
+  %a = f32[8,128] parameter(0)
+  %w = (s32[], f32[8,128]) while(%t0), condition=%cond, body=%body
+  %ar = f32[8,128]{1,0} all-reduce(%a), channel_id=9, replica_groups=[1,8]<=[8], to_apply=%add
+  %cp = (f32[8,128], f32[8,128], u32[], u32[]) collective-permute-start(f32[8,128] %a), channel_id=10, source_target_pairs={{0,1}}
+  %cpd = f32[8,128] collective-permute-done(%cp)
+  ROOT %r = f32[8,128] add(%ar, %cpd)
+}
+"""
+
+
+def test_collective_bytes_reads_loops_async_pairs_and_reduce_scatter():
+    out = aot.collective_bytes(SYNTHETIC_HLO, n_devices=8)
+    assert out == {
+        # once per channel (start, done and a continuation carried through the inner loop
+        # repeat it), as often as it is issued: 16 trips, not 16 × 16
+        "all-gather": 16 * 32 * 128 * 4,
+        "reduce-scatter": 16 * 2 * 128 * (2 + 4) * 4,  # the full input: result × group of 4
+        "all-reduce": 8 * 128 * 4,
+        "all-to-all": 0,
+        "collective-permute": 8 * 128 * 4,  # the -start tuple holds input and output: counted once
+    }
+
+
+def test_resource_exhausted_message_gives_needed_and_available():
+    msg = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+           "HLO temporaries (33.57G) exceeds available HBM (15.75G)")
+    assert aot.parse_resource_exhausted(msg) == (int(33.57 * aot.GiB), int(15.75 * aot.GiB))
+    assert aot.parse_resource_exhausted("Used 40.10G of 15.75G hbm. Exceeded hbm capacity by 24.35G.") == (
+        int(40.10 * aot.GiB), int(15.75 * aot.GiB))
+
+
+def _cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "onona_jax.aot", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@needs_libtpu
+def test_config_that_does_not_fit_exits_1_with_needed_available_and_overrides():
+    r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=v5e-4", "--hbm_gib=0.01",
+             "--noeval_step")
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    [err] = _errors(r.stderr)
+    assert "dense-tiny-twin (twin) does not fit on v5e-4: needs " in err
+    assert "GiB of HBM per device, 0.01 GiB available" in err
+    # data parallelism replicates the state: sharding it is the first thing to try
+    assert "--config.mesh.data=1 --config.mesh.fsdp=-1" in err and "--config.model.remat=dots" in err
+    # the report still went to stdout, with the row that does not fit
+    assert "NO" in r.stdout.split("twin       train")[1].splitlines()[0]
+
+
+def test_without_libtpu_the_message_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
+    assert aot.compiler_missing(aot.get_slice("v5e-16")) == aot.libtpu_missing()
+    assert "pip install -e '.[tpu-aot]' (or pip install 'libtpu==0.0.42.*'" in aot.libtpu_missing()
+    assert "pip install -e '.[gpu-aot]'" in aot.compiler_missing(aot.get_slice("h100-8"))
+
+
+def test_unknown_slice_is_one_error_line_before_any_compile():
+    r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=v5e-17")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == _errors(r.stderr)  # nothing else: no libtpu load, no compile
+    assert "unknown --topology='v5e-17'; choose a slice name: v4-8" in r.stderr
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_paper_142m_twin_fits_v5e_16_with_micro_batch_4():
+    """The issue's target: dense-142m-twin at global batch 256 × 1,024 on v5e-16 with fsdp=16
+    fits at micro-batch 4 (about 2 minutes of CPU per compile)."""
+    from onona_jax import config
+
+    cfg = config.load("configs/paper.py:dense-142m-twin")
+    cfg.mesh.update(data=1, fsdp=-1, tensor=1)
+    cfg.train.micro_batch = 4
+    report = aot.compile_train(cfg, aot.get_slice("v5e-16"))
+    assert report["fits"] and report["accum"] == 4
+    assert report["total"] < 15.75 * aot.GiB
