@@ -50,7 +50,8 @@ def test_tiny_compile_on_v5e_4_argument_bytes_match_the_shardings():
     """TPU buffer assignment of the train step's inputs = parameters + AdamW state + step +
     batch, each at its shard's size. The model's widths are multiples of 128 so that no shard
     is padded to TPU's (8, 128) tiles (dense-tiny's 16-wide shards pad by 3%)."""
-    from onona_jax import config, trainer
+    from onona_jax import config
+    from onona_jax import train as trainer
 
     cfg = config.load("configs/paper.py:dense-tiny-twin")
     cfg.model.update(d_model=128, n_heads=1, n_kv_heads=1, head_dim=128, d_ff=256)
