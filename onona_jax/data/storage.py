@@ -163,3 +163,42 @@ def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
     remote = _epath(data_dir)
     for s in missing:
         _copy_verified(remote / s["file"], cache / s["file"], s, data_dir, cache)
+
+
+def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
+    """Check every shard of a LOCAL data dir against the size and sha256 its manifest records,
+    once per run directory: the result is kept in RECORD_DIR/data_verified.json (keyed by the
+    manifest's own hash), so a resume with the same data reads no shard again. A shard that was
+    replaced or damaged is a ValueError naming it and the fix. Returns whether it hashed.
+    Remote data dirs are verified as they are copied (`local_data_dir`)."""
+    if is_remote(data_dir):
+        return False
+    d = Path(os.fspath(data_dir))
+    raw = (d / "manifest.json").read_bytes()
+    manifest = parse_manifest(raw, str(d / "manifest.json"), data_dir)
+    key = hashlib.sha256(raw).hexdigest()
+    record = Path(record_dir) / "data_verified.json"
+    try:
+        if json.loads(record.read_text()).get("manifest_sha256") == key:
+            return False
+    except (OSError, ValueError):
+        pass  # no (readable) record: verify
+    for split in splits:
+        for shard in manifest["splits"].get(split, {}).get("shards", []):
+            path = d / shard["file"]
+            if "sha256" not in shard:  # written before shards carried hashes
+                continue
+            size = path.stat().st_size
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(_COPY_CHUNK), b""):
+                    h.update(block)
+            if size != shard.get("bytes", size) or h.hexdigest() != shard["sha256"]:
+                raise ValueError(
+                    f"shard {path} ({size} bytes, sha256 {h.hexdigest()}) does not match {d}/manifest.json "
+                    f"({shard.get('bytes', '?')} bytes, sha256 {shard['sha256']}): the data dir was changed "
+                    f"or damaged after prepare; {prepare_hint(data_dir)} again")
+    tmp = record.with_name(f".{record.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"data_dir": str(d.resolve()), "manifest_sha256": key}, indent=2))
+    os.replace(tmp, record)
+    return True

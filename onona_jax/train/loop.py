@@ -246,11 +246,13 @@ def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bo
 def _train(cfg, run, workdir: str, progress: bool) -> dict:
     from tqdm import tqdm
 
-    from onona_jax.data import pipeline
+    from onona_jax.data import pipeline, storage
 
     check_writable(os.path.join(workdir, "checkpoints"))
     data_dir = prepare_data(cfg, workdir)
     cache = cfg.data.cache_dir or None
+    if jax.process_index() == 0:  # every shard against the manifest's hash, once per workdir
+        storage.verify_once(data_dir, workdir)
     val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
                                               cache_dir=cache)
     if jax.process_index() == 0:
