@@ -1,6 +1,6 @@
 """How much a damaged newest checkpoint prints (issue 12 item 8).
 
-    python scripts/restore_noise.py [--modes=truncate,garble,remove_d,remove_metadata]
+    python benchmarks/restore_noise.py [--modes=truncate,garble,remove_d,remove_metadata]
 
 Saves checkpoints 2 and 4 of the tiny standard model (a fresh state, one device), damages
 step 4 in each way, and in a fresh process restores as train.py does
@@ -10,13 +10,16 @@ goal. Damage modes: `truncate` (the biggest array file cut in half, as by a full
 `remove_metadata` (state/_METADATA gone).
 """
 
-import argparse
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import tempfile
+
+from absl import flags
+
+from onona_jax import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,19 +56,24 @@ def damage(state: pathlib.Path, mode: str):
     elif mode == "remove_metadata":
         (state / "_METADATA").unlink()
     else:
-        raise SystemExit(f"unknown mode {mode}")
+        raise cli.UsageError(f"unknown mode {mode}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="truncate,garble,remove_d,remove_metadata")
-    ap.add_argument("--repo", default=REPO, help="the checkout whose restore is measured")
-    args = ap.parse_args()
+def define(fv, argv):
+    flags.DEFINE_list("modes", ["truncate", "garble", "remove_d", "remove_metadata"], "damage to apply",
+                      flag_values=fv)
+    flags.DEFINE_string("repo", REPO, "the checkout whose restore is measured", flag_values=fv)
+
+
+def _main(fv, rest):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    args = fv
     with tempfile.TemporaryDirectory() as tmp:
         pristine = os.path.join(tmp, "pristine")
         subprocess.run([sys.executable, "-c", SETUP.format(repo=args.repo, ckpts=pristine) + SAVE.format()],
                        check=True, capture_output=True)
-        for mode in args.modes.split(","):
+        for mode in args.modes:
             ckpts = os.path.join(tmp, mode)
             shutil.copytree(pristine, ckpts)
             damage(pathlib.Path(ckpts, "4", "state"), mode)
@@ -76,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(define, _main, None, __doc__))

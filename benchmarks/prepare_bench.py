@@ -1,6 +1,6 @@
 """Throughput of `python -m onona_jax.data.prepare` (tokens/s) against --workers, end to end.
 
-    flock /tmp/onona-heavy.lock python scripts/prepare_bench.py [--copies 4] [--rounds 3] \
+    flock /tmp/onona-heavy.lock python benchmarks/prepare_bench.py [--copies 4] [--rounds 3] \
         [--workers 1 2] [--format jsonl] [--json out.json]
 
 The corpus is the bundled Austen text repeated `--copies` times (about 1M tokens a copy), one
@@ -14,7 +14,6 @@ load average before and after, and checks that every arm wrote bit-identical sha
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import lzma
@@ -28,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from absl import flags
+
+from onona_jax import cli
 from onona_jax.data.prepare import prepare
 from onona_jax.tokenizer import bundled_corpus_path
 
@@ -64,25 +66,30 @@ def _cpu() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--copies", type=int, default=4, help="copies of the bundled corpus (~1M tokens each)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--format", choices=["jsonl", "txt", "parquet"], default="jsonl")
-    ap.add_argument("--json", default=None, help="also write the results here")
-    args = ap.parse_args(argv)
+def define(fv, argv):
+    flags.DEFINE_integer("copies", 4, "copies of the bundled corpus (~1M tokens each)", flag_values=fv)
+    flags.DEFINE_integer("rounds", 3, "paired rounds", flag_values=fv)
+    flags.DEFINE_list("workers", ["1", "2"], "worker counts to compare, the first the baseline", flag_values=fv)
+    flags.DEFINE_enum("format", "jsonl", ["jsonl", "txt", "parquet"], "input format", flag_values=fv)
+    flags.DEFINE_string("json", None, "also write the results here", flag_values=fv)
+
+
+def _main(fv, rest):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    args = fv
+    workers = [int(w) for w in fv.workers]
 
     load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="prepare-bench-"))
     try:
         src = make_corpus(tmp, args.copies, args.format)
-        rates: dict[int, list[float]] = {w: [] for w in args.workers}
-        cpu: dict[int, list[tuple[float, float]]] = {w: [] for w in args.workers}
+        rates: dict[int, list[float]] = {w: [] for w in workers}
+        cpu: dict[int, list[tuple[float, float]]] = {w: [] for w in workers}
         digests = set()
         tokens = 0
         for r in range(args.rounds):
-            for w in args.workers:
+            for w in workers:
                 out = tmp / f"out-{r}-{w}"
                 t0, r0 = time.perf_counter(), _cpu()
                 m = prepare([str(src)], str(out), shard_tokens=50_000_000, workers=w)
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     load_after = os.getloadavg()
 
-    base = args.workers[0]
+    base = workers[0]
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "cpus": len(os.sched_getaffinity(0)),
@@ -113,7 +120,7 @@ def main(argv=None) -> int:
         "bit_identical": len(digests) == 1,
     }
     print(f"corpus: {tokens:,} tokens ({args.format}), {result['cpus']} CPUs, {args.rounds} paired rounds")
-    for w in args.workers:
+    for w in workers:
         sp = result["speedup_per_round"][w]
         print(f"workers={w}: {result['tokens_per_s_median'][w] / 1e6:.3f} M tokens/s (median); "
               f"speed-up over workers={base} per round: {', '.join(f'{x:.2f}' for x in sp)}; CPU s (main, workers) "
@@ -122,8 +129,9 @@ def main(argv=None) -> int:
     print(f"all arms wrote bit-identical shards: {result['bit_identical']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["bit_identical"] else 1
+    if not result["bit_identical"]:
+        raise cli.Failure("the worker counts wrote different shards")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(define, _main, None, __doc__))
