@@ -14,6 +14,7 @@ import os
 import ml_collections
 
 from onona_jax import heads as heads_lib
+from onona_jax import loss as loss_lib
 from onona_jax import models
 
 # The choices of model.arch and model.head come from the registries (one place each).
@@ -49,7 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.remat = "none"  # none | dots | full
     m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn
     m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
-    m.loss_token_tile = 1024  # tokens per tile (per device) of the fused loss
+    m.loss_token_tile = loss_lib.DEFAULT_TOKEN_TILE  # tokens per tile (per device) of the fused loss (loss.py says why 256)
     m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
     m.mos_components = 2  # K of the mos / moss heads
     m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
