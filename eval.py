@@ -87,12 +87,8 @@ def check_output(path):
     if not path:
         return
     directory = os.path.dirname(os.path.abspath(path))
-    probe = os.path.join(directory, f".write-test-{os.getpid()}")
     try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        cli.probe_writable(directory)
     except OSError as err:
         raise cli.UsageError(f"--output={path}: cannot write to {directory} ({err.strerror or err}); "
                              "give a writable path") from None

@@ -37,6 +37,19 @@ class UsageError(ValueError):
     """Bad usage: exit status 2."""
 
 
+def probe_writable(directory: str) -> None:
+    """Create `directory` and a file in it, now (raises OSError): a read-only or full disk is
+    found before the work, not after it or inside an asynchronous write."""
+    import os
+    import socket
+
+    probe = os.path.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")  # one per process
+    os.makedirs(directory, exist_ok=True)
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
 def define_mesh(fv, default: str = "-1,1,1"):
     """`--mesh=data,fsdp,tensor`: the mesh a command places a checkpoint on."""
     flags.DEFINE_list("mesh", default.split(","), "data,fsdp,tensor sizes of this run's mesh "

@@ -149,14 +149,8 @@ class MetricsLog:
 def check_writable(directory: str):
     """Create `directory` and a file in it, now: a read-only or full disk is found before the
     first step, not inside an asynchronous checkpoint write."""
-    import socket
-
-    probe = os.path.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")  # one per process
     try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        cli.probe_writable(directory)
     except OSError as err:
         raise cli.Failure(f"cannot write to {directory} ({err.strerror or err}); make it writable "
                           "(or free space), then rerun the same command") from None
