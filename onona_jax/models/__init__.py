@@ -50,7 +50,6 @@ class Family:
 
     trunk: Callable  # cfg_model -> the body module: trunk(x, positions) -> (h, stats)
     layer_pattern: str = "attention"  # default of model.layer_pattern
-    feed_forward: str = "mlp"
     validate: Callable = _no_problems  # cfg_model -> [problem messages naming key and fix]
     eval_config: Callable = _unchanged  # cfg_model -> the config evaluation and serving build
     aux_loss: Callable = _no_aux_loss  # (trunk stats, cfg_model) -> (term added to the loss, metrics)
@@ -63,7 +62,7 @@ def _residual(ffn: str):
 
 FAMILIES: dict[str, Family] = {
     "dense": Family(trunk=_residual("mlp")),
-    "moe": Family(trunk=_residual("moe"), feed_forward="moe", validate=moe.config_problems,
+    "moe": Family(trunk=_residual("moe"), validate=moe.config_problems,
                   eval_config=moe.eval_config, aux_loss=moe.aux_loss),
     "gdn": Family(trunk=_residual("mlp"), layer_pattern="gdn,gdn,gdn,attention"),
     "attnres": Family(trunk=attnres.AttnResTrunk, validate=attnres.config_problems),
