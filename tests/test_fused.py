@@ -255,6 +255,7 @@ def test_sharded_fused_equals_unsharded_plain(mesh_shape, head):
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow  # (the on-mesh twin of this test stays in the default suite)
 def test_training_fused_equals_plain_one_device(tiny_data):
     """20 steps of the tiny twin model (AdamW, 4 accumulated micro-batches a step): the
     free-running losses agree within 1e-5 relative for 14 steps and 1e-4 after, and,
