@@ -11,6 +11,7 @@ from onona_jax.checkpoint import restore_params
 from onona_jax import train as trainer
 
 
+@pytest.mark.slow  # suite-time margin; the refusal tests below stay in the default suite
 def test_upcycled_twin_starts_at_the_standard_loss(tiny_data, tmp_path):
     std_cfg = tiny_config(tiny_data, head="standard", steps=3)
     std_cfg.mesh.data = 8
