@@ -82,7 +82,7 @@ def test_scan_and_loop_train_identically(tiny_data):
     np.testing.assert_allclose(run_steps(loop, 2, dev)[0], run_steps(scan, 2, dev)[0], rtol=1e-6)
 
 
-@pytest.mark.slow  # suite-time margin (an 8-device run restored onto one device: test_tasks.py, test_serving.py)
+@pytest.mark.slow  # suite-time margin (an 8-device run restored onto one device: test_tasks.py)
 def test_checkpoint_restores_on_another_mesh(tiny_data, tmp_path):
     from onona_jax.eval import validation as evaluation
 
