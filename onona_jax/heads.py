@@ -150,15 +150,20 @@ class Mixture(NamedTuple):
         return len(self.tables) > 1 or self.log_weights is None
 
 
-def component_logits(m: Mixture) -> list[jax.Array]:
-    """fp32 log-softmax of each component, [..., V] each."""
+def component_scores(m: Mixture) -> list[jax.Array]:
+    """Each component's scores [..., V]: its logits, or their sigsoftmax transform."""
     K = 1 if m.log_weights is None else m.log_weights.shape[-1]
     out = []
     for k in range(K):
         h = m.hs if m.shared_h else m.hs[..., k, :]
         z = logits(h, m.tables[k if len(m.tables) > 1 else 0])
-        out.append(log_softmax(sigsoftmax_scores(z) if m.score == "sigsoftmax" else z))
+        out.append(sigsoftmax_scores(z) if m.score == "sigsoftmax" else z)
     return out
+
+
+def component_logits(m: Mixture) -> list[jax.Array]:
+    """fp32 log-softmax of each component, [..., V] each."""
+    return [log_softmax(z) for z in component_scores(m)]
 
 
 def mixture_log_probs(m: Mixture) -> jax.Array:
@@ -184,15 +189,10 @@ def mixture_target_log_probs(m: Mixture, targets, loss: str = "plain", chunk: in
                                  token_tile=token_tile, layout=layout)[1]
     if loss == "fused_vocab" and m.shared_h and m.score is None:
         return loss_vocab.target_log_probs(m.hs, m.tables, targets, m.log_weights, chunk, layout)
-    K = 1 if m.log_weights is None else m.log_weights.shape[-1]
-    parts = []
-    for k in range(K):
-        h = m.hs if m.shared_h else m.hs[..., k, :]
-        z = logits(h, m.tables[k if len(m.tables) > 1 else 0])
-        parts.append(target_log_softmax(sigsoftmax_scores(z) if m.score == "sigsoftmax" else z, targets))
+    parts = [target_log_softmax(z, targets) for z in component_scores(m)]
     if m.log_weights is None:
         return parts[0]
-    if K == 2:
+    if len(parts) == 2:
         return jnp.logaddexp(parts[0] + m.log_weights[..., 0], parts[1] + m.log_weights[..., 1])
     return jax.nn.logsumexp(jnp.stack(parts, axis=-1) + m.log_weights, axis=-1)
 
