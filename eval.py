@@ -21,7 +21,7 @@ import sys
 
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import cli, paths
 
 
 def define(fv, argv):
@@ -65,11 +65,11 @@ def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data
         raise ValueError("--tasks is empty; give val and/or downstream task names")
     devices = mesh_devices(mesh)
     result = {}
-    paths = {}
+    task_files = {}
     if downstream:
         from onona_jax.eval import tasks
 
-        paths = tasks.resolve_paths(downstream, task_data, data_dir)  # fail before any restore
+        task_files = tasks.resolve_paths(downstream, task_data, data_dir)  # fail before any restore
     loaded = evaluation.load(workdir, step, mesh, devices)  # one restore serves every task
     params, step, cfg, grid = loaded
     if "val" in names:
@@ -78,7 +78,7 @@ def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data
         scorer = tasks.Scorer.from_params(params, cfg, grid, batch_size=batch, max_length=max_length, progress=True)
         result.setdefault("config", cfg.name)
         result.setdefault("step", step)
-        result["tasks"] = tasks.evaluate(scorer, downstream, paths, shots=shots, limit=limit)
+        result["tasks"] = tasks.evaluate(scorer, downstream, task_files, shots=shots, limit=limit)
     return result
 
 
@@ -86,13 +86,13 @@ def check_output(path):
     """`--output`'s directory must take a file: found now, not after the whole evaluation."""
     if not path:
         return
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = os.fspath(paths.path(paths.absolute(path)).parent)
     try:
         cli.probe_writable(directory)
     except OSError as err:
         raise cli.UsageError(f"--output={path}: cannot write to {directory} ({err.strerror or err}); "
                              "give a writable path") from None
-    if os.path.isdir(path):
+    if paths.isdir(path):
         raise cli.UsageError(f"--output={path} is a directory; give a file path, e.g. {path}/eval.json")
 
 
@@ -104,7 +104,7 @@ def _main(fv, args):
                       fv.task_data_dir, fv.task_batch, fv.max_length, fv.mmlu_shots, fv.limit)
     from onona_jax.eval import validation
 
-    path = fv.output or os.path.join(fv.workdir, "eval", f"step_{result['step']}.json")
+    path = fv.output or paths.join(fv.workdir, "eval", f"step_{result['step']}.json")
     validation.write_json(result, path)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}", file=sys.stderr)

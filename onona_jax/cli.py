@@ -38,16 +38,17 @@ class UsageError(ValueError):
 
 
 def probe_writable(directory: str) -> None:
-    """Create `directory` and a file in it, now (raises OSError): a read-only or full disk is
-    found before the work, not after it or inside an asynchronous write."""
+    """Create `directory` and a file in it, now (raises OSError): a read-only or full disk, or a
+    bucket without write permission, is found before the work, not inside an asynchronous write."""
     import os
     import socket
 
-    probe = os.path.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")  # one per process
-    os.makedirs(directory, exist_ok=True)
-    with open(probe, "w") as f:
-        f.write("ok")
-    os.remove(probe)
+    from onona_jax import paths
+
+    probe = paths.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")  # one per process
+    paths.makedirs(directory)
+    paths.write_atomic(probe, "ok")
+    paths.remove(probe)
 
 
 def define_mesh(fv, default: str = "-1,1,1"):

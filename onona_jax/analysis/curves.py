@@ -17,32 +17,32 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import cli, paths
 
 
 def load_curve(workdir: str, metric: str = "val_loss") -> tuple[list[int], list[float]]:
     """(steps, values) of `metric` in DIR/metrics.jsonl, sorted by step, one value per step
     (the last row logged for that step). Raises ValueError when there is none."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    path = paths.join(workdir, "metrics.jsonl")
+    if not paths.isfile(path):
         raise ValueError(f"{path} does not exist; is {workdir} a training run's --workdir?")
     by_step: dict[int, float] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                # A run killed mid-write can leave a torn last line; anything else is corruption.
-                print(f"warning: {path}:{n} is not JSON; skipped", file=sys.stderr)
-                continue
-            if metric in row and "step" in row:
-                by_step[int(row["step"])] = float(row[metric])
+    for n, line in enumerate(paths.read_text(path).splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            # A run killed mid-write can leave a torn last line; anything else is corruption.
+            print(f"warning: {path}:{n} is not JSON; skipped", file=sys.stderr)
+            continue
+        if metric in row and "step" in row:
+            by_step[int(row["step"])] = float(row[metric])
     if not by_step:
         raise ValueError(f"{path} has no rows with {metric!r}; validation rows are written every "
                          "train.eval_every steps and at the end of training")
@@ -52,13 +52,12 @@ def load_curve(workdir: str, metric: str = "val_loss") -> tuple[list[int], list[
 
 def run_label(workdir: str) -> str:
     """The run's config name (DIR/config.json), else the directory's name."""
-    path = os.path.join(workdir, "config.json")
+    path = paths.join(workdir, "config.json")
     try:
-        with open(path) as f:
-            name = json.load(f).get("name") or ""
+        name = json.loads(paths.read_text(path)).get("name") or ""
     except (OSError, json.JSONDecodeError, AttributeError):
         name = ""
-    return name or os.path.basename(os.path.normpath(workdir))
+    return name or paths.path(workdir).name
 
 
 def collect(workdirs: list[str], metric: str = "val_loss") -> list[dict]:
@@ -99,8 +98,9 @@ def plot(runs: list[dict], path: str, metric: str = "val_loss", title: str = "")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with tempfile.TemporaryDirectory() as tmp:  # matplotlib writes local files
+        fig.savefig(os.path.join(tmp, "figure.png"), dpi=120)
+        paths.upload(os.path.join(tmp, "figure.png"), path)
     plt.close(fig)
     return True
 
@@ -127,8 +127,7 @@ def _main(fv, workdirs):
     if plot(runs, fv.output, fv.metric, fv.title):
         print(f"wrote {fv.output}", file=sys.stderr)
     if fv.json:
-        with open(fv.json, "w") as f:
-            json.dump({"metric": fv.metric, "runs": runs}, f, indent=2)
+        paths.write_json(fv.json, {"metric": fv.metric, "runs": runs})
 
 
 def main(argv=None) -> int:

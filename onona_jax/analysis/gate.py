@@ -27,13 +27,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import unicodedata
 
 import numpy as np
 
 from absl import flags
 
-from onona_jax import cli, heads
+from onona_jax import cli, heads, paths
 from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
 
 QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
@@ -267,12 +268,12 @@ def analyze(workdir: str, step: int | None = None, data_dir: str | None = None, 
     data_dir = data_dir or evaluation.data_dir(cfg, workdir)
     counts, counted = count_tokens(data_dir, split, n, max_tokens)
     report = dict(
-        workdir=os.path.abspath(workdir), step=int(step), config=cfg.name, head=head,
+        workdir=paths.absolute(workdir), step=int(step), config=cfg.name, head=head,
         gate_reads=GATED_HEADS[head][0],
         gate=f"g_v = σ(wᵀ rmsnorm({GATED_HEADS[head][0]}_v)), {GATED_HEADS[head][1]}; "
              "g → 1 leans to softmax(Ah), g → 0 to softmax(Bh)",
         vocab_tokens=n, table_rows=int(cfg.model.vocab_size),
-        occurrence_source=dict(data_dir=os.path.abspath(data_dir), split=split, tokens=int(counted),
+        occurrence_source=dict(data_dir=paths.absolute(data_dir), split=split, tokens=int(counted),
                                whole_split=max_tokens <= 0 or counted < max_tokens),
         **analyze_arrays(g, counts, token_bytes(n), top, min_count),
     )
@@ -383,21 +384,21 @@ def histogram(g: np.ndarray, counts: np.ndarray | None, path: str, title: str = 
 
 
 def write(report: dict, g: np.ndarray, counts: np.ndarray | None, output_dir: str) -> dict:
-    """Write gate_step_<N>.{json,md,png} into output_dir; returns {kind: path}."""
-    os.makedirs(output_dir, exist_ok=True)
-    stem = os.path.join(output_dir, f"gate_step_{report['step']}")
-    paths = {"json": stem + ".json", "markdown": stem + ".md", "png": stem + ".png"}
+    """Write gate_step_<N>.{json,md,png} into output_dir (local or a bucket), each whole;
+    returns {kind: path}."""
+    stem = paths.join(output_dir, f"gate_step_{report['step']}")
+    files = {"json": stem + ".json", "markdown": stem + ".md", "png": stem + ".png"}
     title = f"{report['config']} step {report['step']}: gate distribution"
-    if not histogram(g, counts, paths["png"], title, report.get("gate_reads", "M")):
-        del paths["png"]
-    report = {**report, "files": paths}
-    with open(paths["markdown"], "w") as f:
-        f.write(markdown(report))
-    tmp = paths["json"] + f".tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, ensure_ascii=False)
-    os.replace(tmp, paths["json"])
-    return paths
+    with tempfile.TemporaryDirectory() as tmp:  # matplotlib writes local files
+        png = os.path.join(tmp, "gate.png")
+        if histogram(g, counts, png, title, report.get("gate_reads", "M")):
+            paths.upload(png, files["png"])
+        else:
+            del files["png"]
+    report = {**report, "files": files}
+    paths.write_atomic(files["markdown"], markdown(report))
+    paths.write_atomic(files["json"], json.dumps(report, indent=2, ensure_ascii=False))
+    return files
 
 
 def define(fv, argv):
@@ -417,9 +418,9 @@ def _main(fv, args):
         raise cli.UsageError(f"unexpected arguments {args}")
     report, g, counts = analyze(fv.workdir, fv.step, fv.data_dir, fv.split, fv.top, fv.min_count,
                                 fv.max_tokens, cli.mesh(fv))
-    paths = write(report, g, counts, fv.output_dir or os.path.join(fv.workdir, "analysis"))
+    files = write(report, g, counts, fv.output_dir or paths.join(fv.workdir, "analysis"))
     print(markdown(report))
-    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    print("wrote " + ", ".join(files.values()), file=sys.stderr)
 
 
 def main(argv=None) -> int:

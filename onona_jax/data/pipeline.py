@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import grain
 import numpy as np
 
+from onona_jax import paths
 from onona_jax.data import storage
 from onona_jax.data.prepare import FORMAT_VERSION, prepare
 from onona_jax.tokenizer import bundled_corpus_path
@@ -206,14 +208,16 @@ def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int
     return np.stack([source[i] for i in ids]) if count else np.zeros((0, seq_len + 1), np.int32)
 
 
-def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: float = 0.02) -> str:
-    """Prepare the bundled Austen corpus into `data_dir` unless it already holds prepared data."""
-    d = Path(data_dir)
-    if not (d / "manifest.json").is_file():
+def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: float = 0.02,
+                        cache_dir: str | None = None) -> str:
+    """Prepare the bundled Austen corpus into `data_dir` (local or a bucket) unless it already
+    holds prepared data."""
+    manifest = paths.join(data_dir, "manifest.json")
+    if not paths.isfile(manifest):
         try:
-            prepare([bundled_corpus_path()], str(d), heldout_fraction=heldout_fraction)
+            prepare([bundled_corpus_path()], os.fspath(data_dir), heldout_fraction=heldout_fraction)
         except (ValueError, OSError):
-            if not (d / "manifest.json").is_file():  # else another process prepared it first
+            if not paths.isfile(manifest):  # else another process prepared it first
                 raise
-    TokenStore(d, "train").num_windows(seq_len)  # fail now, not at the first batch
-    return str(d)
+    TokenStore(data_dir, "train", cache_dir=cache_dir).num_windows(seq_len)  # fail now, not at the first batch
+    return os.fspath(data_dir)

@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -37,7 +38,7 @@ import numpy as np
 from absl import flags
 from tqdm import tqdm
 
-from onona_jax import cli
+from onona_jax import cli, paths
 from onona_jax.data.sources import Chunk, Source, check_mode, encode_chunk, iter_chunks, iter_documents, resolve_inputs
 from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB, get_tokenizer
 
@@ -283,7 +284,12 @@ def prepare(
     workers: int = 1,
     max_tokens: int | None = None,
 ) -> dict:
-    """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json)."""
+    """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json).
+    `output` may be a bucket URL (gs://...): see `_prepare_to_bucket`."""
+    if paths.is_cloud(output):
+        return _prepare_to_bucket(inputs, output, heldout_fraction, shard_tokens, seed, overwrite,
+                                  text_column=text_column, tokens_column=tokens_column, workers=workers,
+                                  max_tokens=max_tokens)
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     if shard_tokens < 1:
@@ -376,6 +382,26 @@ def prepare(
         raise
     finally:
         os.close(lock_fd)
+    return manifest
+
+
+def _prepare_to_bucket(inputs, output: str, *args, overwrite: bool, **kwargs) -> dict:
+    """Prepare into a local temporary directory, then upload the shards and, last, manifest.json.
+    Readers (train.py, the data cache) accept a data dir only through its manifest, so an upload
+    cut short is never taken for a dataset; a rerun uploads again. With --overwrite the old
+    manifest is deleted first, so that no reader mixes old and new shards meanwhile."""
+    manifest_url = paths.join(output, "manifest.json")
+    if paths.exists(manifest_url) and not overwrite:
+        raise ValueError(f"output {output} already holds prepared data; choose another --output or pass --overwrite")
+    local = Path(tempfile.mkdtemp(prefix="onona-prepare-")) / "data"
+    try:
+        manifest = prepare(inputs, str(local), *args, overwrite=False, **kwargs)
+        paths.remove(manifest_url)
+        for f in sorted(local.glob("*.bin")):
+            paths.upload(f, paths.join(output, f.name))
+        paths.upload(local / "manifest.json", manifest_url)
+    finally:
+        shutil.rmtree(local.parent, ignore_errors=True)
     return manifest
 
 

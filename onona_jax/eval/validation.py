@@ -7,9 +7,7 @@ no optimizer state is read. The training loop uses the same `Evaluator`.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import heads as heads_lib
-from onona_jax import models, sharding
+from onona_jax import models, paths, sharding
 from onona_jax.checkpoint import restore_params
 
 
@@ -82,7 +80,7 @@ def load(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None):
 
 
 def data_dir(cfg, workdir: str) -> str:
-    return cfg.data.dir or os.path.join(workdir, "data")
+    return cfg.data.dir or paths.join(workdir, "data")
 
 
 def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, loaded=None) -> dict:
@@ -102,11 +100,6 @@ def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=N
 
 
 def write_json(result: dict, path: str):
-    """Atomic write: a reader never sees half a file."""
-    if jax.process_index() != 0:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, path)
+    """Atomic write (`paths.write_atomic`: a reader never sees half a file), from process 0."""
+    if jax.process_index() == 0:
+        paths.write_json(path, result)

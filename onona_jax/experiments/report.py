@@ -17,14 +17,14 @@ t(0.975, n−1)·std/√n from a built-in Student-t table.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 import re
 import sys
+import tempfile
 
-from onona_jax import cli
+from onona_jax import cli, paths
 
 # Student t 0.975 quantiles for df = 1..30; beyond, the Cornish–Fisher expansion below
 # (within 1e-4 of the exact quantile for df > 30).
@@ -63,8 +63,8 @@ def summarize(values) -> dict:
 def latest_eval(run_dir: str):
     """(path, step) of run_dir/eval/step_<N>.json with the highest N, or None."""
     best = None
-    for path in glob.glob(os.path.join(run_dir, "eval", "step_*.json")):
-        m = re.fullmatch(r"step_(\d+)\.json", os.path.basename(path))
+    for path in paths.glob(paths.join(run_dir, "eval"), "step_*.json"):
+        m = re.fullmatch(r"step_(\d+)\.json", paths.path(path).name)
         if m and (best is None or int(m.group(1)) > best[1]):
             best = (path, int(m.group(1)))
     return best
@@ -77,10 +77,10 @@ def _finite(x) -> bool:
 def read_run(workdir: str, arm: dict, seed: int, status: dict) -> dict:
     """One arm × seed: status ok / missing / failed / invalid, and the eval file's values."""
     entry = status.get(f"{arm['name']}/seed{seed}", {})
-    found = latest_eval(os.path.join(workdir, arm["name"], f"seed{seed}"))
+    found = latest_eval(paths.join(workdir, arm["name"], f"seed{seed}"))
     rec = dict(seed=seed, status="missing", path=None)
     if found:
-        rec["path"] = os.path.relpath(found[0], workdir)
+        rec["path"] = os.fspath(paths.path(found[0]).relative_to(paths.path(workdir)))
     if entry.get("status") == "failed":
         rec.update(status="failed", stage=entry.get("stage"), returncode=entry.get("returncode"),
                    stderr_tail=entry.get("stderr_tail", ""))
@@ -92,8 +92,7 @@ def read_run(workdir: str, arm: dict, seed: int, status: dict) -> dict:
             rec["note"] = "the sweep started this run but recorded no result (still running or killed)"
         return rec
     try:
-        with open(found[0]) as f:
-            data = json.load(f)
+        data = json.loads(paths.read_text(found[0]))
     except (OSError, ValueError) as err:
         rec.update(status="invalid", note=f"unreadable eval file: {err}")
         return rec
@@ -123,16 +122,12 @@ def paired(a_runs: dict, b_runs: dict) -> dict:
 
 
 def build(workdir: str) -> dict:
-    grid_path = os.path.join(workdir, "grid.json")
-    if not os.path.exists(grid_path):
+    grid_path = paths.join(workdir, "grid.json")
+    if not paths.exists(grid_path):
         raise ValueError(f"{grid_path} not found; run python -m onona_jax.experiments.sweep --workdir={workdir} first")
-    with open(grid_path) as f:
-        grid = json.load(f)
-    status_path = os.path.join(workdir, "sweep_status.json")
-    status = {}
-    if os.path.exists(status_path):
-        with open(status_path) as f:
-            status = json.load(f)
+    grid = json.loads(paths.read_text(grid_path))
+    status_path = paths.join(workdir, "sweep_status.json")
+    status = json.loads(paths.read_text(status_path)) if paths.exists(status_path) else {}
     seeds = [int(s) for s in grid["seeds"]]
     runs = {a["name"]: {s: read_run(workdir, a, s, status) for s in seeds} for a in grid["arms"]}
 
@@ -169,7 +164,7 @@ def build(workdir: str) -> dict:
         arms.append(row)
 
     report = dict(grid=grid["grid"], doc=grid.get("doc", ""), size=grid.get("size"), seeds=seeds,
-                  workdir=os.path.abspath(workdir), paths_relative_to="workdir", arms=arms)
+                  workdir=paths.absolute(workdir), paths_relative_to="workdir", arms=arms)
     report["comparisons"] = [
         dict(a=x, b=y, **paired(runs[x], runs[y])) for x, y in grid.get("compare") or []
         if x in runs and y in runs
@@ -316,12 +311,14 @@ def figure(report: dict, path: str) -> bool:
 
 
 def write(workdir: str) -> dict:
+    """DIR/report.{json,md,png}, each written whole (`paths.write_atomic`)."""
     report = build(workdir)
-    with open(os.path.join(workdir, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.join(workdir, "report.md"), "w") as f:
-        f.write(markdown(report))
-    figure(report, os.path.join(workdir, "report.png"))
+    paths.write_json(paths.join(workdir, "report.json"), report)
+    paths.write_atomic(paths.join(workdir, "report.md"), markdown(report))
+    with tempfile.TemporaryDirectory() as tmp:  # matplotlib writes local files
+        png = os.path.join(tmp, "report.png")
+        if figure(report, png):
+            paths.upload(png, paths.join(workdir, "report.png"))
     return report
 
 
@@ -333,8 +330,8 @@ def _main(fv, args):
     if len(args) != 1:
         raise cli.UsageError("usage: python -m onona_jax.experiments.report DIR   (DIR: a sweep's --workdir)")
     write(args[0])
-    print(open(os.path.join(args[0], "report.md")).read())
-    print(f"wrote {os.path.join(args[0], 'report.md')}, report.json, report.png", file=sys.stderr)
+    print(paths.read_text(paths.join(args[0], "report.md")))
+    print(f"wrote {paths.join(args[0], 'report.md')}, report.json, report.png", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -25,13 +25,15 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import cli, paths
 
 STDERR_TAIL = 4000  # characters of a failed run's stderr kept in sweep_status.json
 
@@ -62,7 +64,7 @@ def grid_info(name: str, size: str | None = None, root: str | None = None) -> di
 
 
 def run_dir(workdir: str, arm: str, seed: int) -> str:
-    return os.path.join(workdir, arm, f"seed{seed}")
+    return paths.join(workdir, arm, f"seed{seed}")
 
 
 def _value(v) -> str:
@@ -82,25 +84,16 @@ def commands(arm: dict, seed: int, workdir: str, extra=(), python: str | None = 
     return [("train", train), ("eval", [python, "eval.py", f"--workdir={rd}"])]
 
 
-def _write_json(obj, path: str):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
 def _read_json(path: str, default):
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(paths.read_text(path))
     except FileNotFoundError:
         return default
 
 
 def write_grid_json(workdir: str, info: dict, seeds, extra=()) -> dict:
     """DIR/grid.json; seeds already recorded there by an earlier call on this grid are kept."""
-    path = os.path.join(workdir, "grid.json")
+    path = paths.join(workdir, "grid.json")
     old = _read_json(path, None)
     if old is not None and (old.get("grid"), old.get("size")) != (info["grid"], info["size"]):
         raise ValueError(
@@ -109,7 +102,7 @@ def write_grid_json(workdir: str, info: dict, seeds, extra=()) -> dict:
         )
     all_seeds = sorted(set(seeds) | set(old.get("seeds", []) if old else []))
     grid = dict(info, seeds=all_seeds, train_flags=list(extra), updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    _write_json(grid, path)
+    paths.write_json(path, grid)
     return grid
 
 
@@ -125,19 +118,27 @@ def emit(path: str, arms, seeds, workdir: str, extra=(), root: str | None = None
          python: str | None = None):
     """Write one shell line per arm × seed (train && eval) to path; nothing runs."""
     lines = [command_line(arm, seed, workdir, extra, root, python) for arm in arms for seed in seeds]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    paths.write_atomic(path, "\n".join(lines) + "\n")
     return lines
 
 
 def _run_one(stage: str, argv, cwd: str, log_dir: str):
-    """Run argv with stdout/stderr into log_dir/<stage>.{out,err}; (returncode, stderr tail)."""
-    os.makedirs(log_dir, exist_ok=True)
-    out_path, err_path = (os.path.join(log_dir, f"{stage}.{x}") for x in ("out", "err"))
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err)
-    with open(err_path, errors="replace") as f:
-        tail = f.read()[-STDERR_TAIL:]
+    """Run argv with stdout/stderr into log_dir/<stage>.{out,err} (written locally, then copied
+    whole to a bucket log_dir); (returncode, stderr tail)."""
+    local = tempfile.mkdtemp(prefix="onona-sweep-log-") if paths.is_cloud(log_dir) else log_dir
+    os.makedirs(local, exist_ok=True)
+    out_path, err_path = (os.path.join(local, f"{stage}.{x}") for x in ("out", "err"))
+    try:
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err)
+        with open(err_path, errors="replace") as f:
+            tail = f.read()[-STDERR_TAIL:]
+        if local != log_dir:
+            for f in (out_path, err_path):
+                paths.upload(f, paths.join(log_dir, os.path.basename(f)))
+    finally:
+        if local != log_dir:
+            shutil.rmtree(local, ignore_errors=True)
     return rc, tail
 
 
@@ -148,7 +149,7 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
     [(stage, argv), ...] replaces the train/eval commands (tests)."""
     root = root or repo_root()
     command_fn = command_fn or (lambda arm, seed, wd, ex: commands(arm, seed, wd, ex, python))
-    status_path = os.path.join(workdir, "sweep_status.json")
+    status_path = paths.join(workdir, "sweep_status.json")
     status = _read_json(status_path, {})
     total, done = len(arms) * len(seeds), 0
     for arm in arms:
@@ -159,20 +160,20 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
             entry = dict(arm=arm["name"], seed=seed, spec=arm["spec"], status="running",
                          started=time.strftime("%Y-%m-%dT%H:%M:%S"), run_dir=rd)
             status[key] = entry
-            _write_json(status, status_path)
+            paths.write_json(status_path, status)
             t0 = time.time()
             log(f"[{done}/{total}] {key}: {arm['spec']} {arm.get('overrides') or ''}".rstrip())
             for stage, argv in command_fn(arm, seed, workdir, extra):
-                rc, tail = _run_one(stage, argv, root, os.path.join(rd, "logs"))
+                rc, tail = _run_one(stage, argv, root, paths.join(rd, "logs"))
                 if rc != 0:
                     entry.update(status="failed", stage=stage, returncode=rc, stderr_tail=tail,
                                  command=shlex.join(argv))
-                    log(f"    {stage} failed with exit code {rc} (logs in {os.path.join(rd, 'logs')})")
+                    log(f"    {stage} failed with exit code {rc} (logs in {paths.join(rd, 'logs')})")
                     break
             else:
                 entry.update(status="ok")
             entry["duration_s"] = round(time.time() - t0, 1)
-            _write_json(status, status_path)
+            paths.write_json(status_path, status)
     return status
 
 
@@ -201,7 +202,7 @@ def _main(fv, extra):
         raise cli.UsageError(f"unexpected arguments {stray}; flags for train.py go after `--`")
     root = repo_root()
     info = grid_info(fv.grid, fv.size, root)
-    workdir = os.path.abspath(fv.workdir)
+    workdir = paths.absolute(fv.workdir)
     arms = info["arms"]
     if fv.arms:
         unknown = sorted(set(fv.arms) - {a["name"] for a in arms})

@@ -17,7 +17,7 @@ import jax
 import ml_collections
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import cli, paths
 from onona_jax import config as config_lib
 from onona_jax.checkpoint import Checkpoints
 from onona_jax.serve import hf_format
@@ -42,22 +42,20 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
     config_lib.validate(cfg)
     hf_format.check_supported(cfg.model)
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+    ckpt_dir = paths.join(workdir, "checkpoints")
+    if paths.isdir(ckpt_dir) and any(paths.path(ckpt_dir).iterdir()):
         raise ValueError(f"{ckpt_dir} already holds checkpoints; import into an empty workdir")
     params = hf_format.from_hf(hf_format.read_weights(path), cfg.model)  # every name and shape checked before any write
     run = setup(cfg, devices)
     params = jax.device_put(params, run.param_shardings)
     train_state = jax.jit(lambda p: new_state(run, p), out_shardings=run.state_shardings)(params)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json(indent=2))
+    paths.write_atomic(paths.join(workdir, "config.json"), cfg.to_json(indent=2))
     ckpts = Checkpoints(ckpt_dir, keep=cfg.train.keep_checkpoints)
     # No data iterator to record: training on this workdir directly is refused by the
     # iterator's state check; start a new run with --config.init_from=<this workdir> instead.
     ckpts.save(0, train_state, {"step": 0, "imported_from": os.path.abspath(path)}, cfg.to_json())
     ckpts.wait()
-    return dict(workdir=os.path.abspath(workdir), step=0, source=os.path.abspath(path),
+    return dict(workdir=paths.absolute(workdir), step=0, source=os.path.abspath(path),
                 model_type=hf.get("model_type"), config=cfg.name, arch=cfg.model.arch, head=cfg.model.head)
 
 

@@ -6,6 +6,11 @@ train.py on the same workdir stops with exit 2 naming the holder. A lock whose p
 gone (same host: no such pid, or the pid now belongs to a younger process) is stale: it is
 replaced with a warning. A lock from another host cannot be checked from here, so it is
 broken only with `--break_lock`. A multi-host run takes one lock: process 0 writes it.
+
+In a bucket (`--workdir=gs://...`) the lock is created with the store's conditional upload (GCS:
+`ifGenerationMatch=0`), so of two runs starting at once exactly one gets it, as locally. Breaking a
+stale lock there is read-compare-delete, not the local rename-aside: two processes breaking the
+same stale lock in the same instant could both proceed (locally only one can).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import os
 import socket
 import sys
 import time
+
+from onona_jax import paths
 
 LOCK_NAME = "lock.json"
 
@@ -48,7 +55,7 @@ class WorkdirLock:
     """`with WorkdirLock(workdir, break_lock):` holds the workdir for this run."""
 
     def __init__(self, workdir: str, break_lock: bool = False):
-        self.path = os.path.join(workdir, LOCK_NAME)
+        self.path = paths.join(workdir, LOCK_NAME)
         self.workdir = workdir
         self.break_lock = break_lock
         self.held = False
@@ -59,8 +66,7 @@ class WorkdirLock:
 
     def read(self) -> dict | None:
         try:
-            with open(self.path) as f:
-                return json.load(f)
+            return json.loads(paths.read_text(self.path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -76,22 +82,18 @@ class WorkdirLock:
         return start is not None and info.get("proc_start") is not None and start != info["proc_start"]
 
     def _create(self) -> bool:
-        """Atomic: write the whole lock under a private name, then link it into place (link
-        fails if the lock exists), so no reader ever sees a half-written lock."""
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.info, f)
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        """Atomic and exclusive (`paths.create_exclusive`): no reader ever sees a half-written
+        lock, and of two creators exactly one succeeds."""
+        return paths.create_exclusive(self.path, json.dumps(self.info))
 
     def _remove_if(self, info: dict) -> bool:
         """Move the lock aside if it is still `info`'s (two processes breaking the same stale
         lock: only one wins; the other puts back what it moved and sees a live lock)."""
+        if paths.is_cloud(self.path):  # no rename in a bucket: read, compare, delete
+            if self.read() != info:
+                return False
+            paths.remove(self.path)
+            return True
         aside = f"{self.path}.broken-{os.getpid()}"
         try:
             os.replace(self.path, aside)
@@ -116,7 +118,7 @@ class WorkdirLock:
         jax = sys.modules.get("jax")  # a run has imported it; the lock itself needs no jax
         if jax is not None and jax.process_index() != 0:  # one lock per run: process 0 holds it
             return self
-        os.makedirs(self.workdir, exist_ok=True)
+        paths.makedirs(self.workdir)
         for _ in range(3):
             if self._create():
                 self.held = True
@@ -147,10 +149,7 @@ class WorkdirLock:
         if self.held:
             self.held = False
             if self.read() == self.info:
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
+                paths.remove(self.path)
 
     def __enter__(self):
         return self.acquire()

@@ -4,10 +4,8 @@ pre-emption or a non-finite loss.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -16,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from onona_jax import cli, summary
+from onona_jax import cli, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
 from onona_jax.train.lock import WorkdirLock
@@ -78,52 +76,44 @@ class Preemption:
 class MetricsLog:
     """metrics.jsonl (one JSON object per logged step) and TensorBoard, from process 0 only.
 
-    A line is written with one append and, should the write fail (a full disk), the file is
-    cut back to its previous length: no torn line is left. A torn last line left by an older
-    version or a crash is removed when a run resumes, and the restart is marked by a line
-    `{"step": S, "restart": true}`."""
+    A line is written with one append (`paths.Appender`: no torn line, locally or in a bucket).
+    A torn last line left by an older version or a crash is removed when a run resumes, and the
+    restart is marked by a line `{"step": S, "restart": true}`. In a bucket, TensorBoard writes
+    to a local directory mirrored to WORKDIR/tensorboard at each logged step."""
 
     def __init__(self, workdir: str):
         self.primary = jax.process_index() == 0
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = paths.join(workdir, "metrics.jsonl")
         if self.primary:
             from tensorboardX import SummaryWriter
 
             try:
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self.file = paths.Appender(self.path)
                 self.resumed = self._repair()
             except OSError as err:
                 raise cli.Failure(f"cannot write {self.path} ({err.strerror or err}); make the workdir "
                                   "writable (or free space), then rerun the same command") from None
-            self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self.tb_dir = paths.Mirror(paths.join(workdir, "tensorboard"))
+            self.tb = SummaryWriter(self.tb_dir.local)
 
     def _repair(self) -> bool:
         """Cut a torn last line (no newline); True when the file already held lines."""
-        size = os.fstat(self.fd).st_size
+        size = self.file.size()
         if size == 0:
             return False
-        with open(self.path, "rb") as f:
-            f.seek(max(0, size - 65536))
-            tail = f.read()
+        tail = self.file.tail(65536)
         if tail.endswith(b"\n"):
             return True
         keep = size - len(tail) + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
-        os.ftruncate(self.fd, keep)
+        self.file.truncate(keep)
         print(f"warning: {self.path} ended in a torn line ({size - keep} bytes of a write cut short); "
               "removed it", file=sys.stderr)
         return keep > 0
 
     def _append(self, line: str):
-        data = line.encode()
-        size = os.fstat(self.fd).st_size
         try:
-            if os.write(self.fd, data) != len(data):
-                raise OSError(errno.ENOSPC, "short write (disk full?)")
+            self.file.append(line.encode())
         except OSError as err:
-            try:
-                os.ftruncate(self.fd, size)
-            except OSError:
-                pass
             raise cli.Failure(
                 f"could not write {self.path} ({err.strerror or err}); stopping. Free space on that "
                 f"filesystem, then rerun the same command to resume from the last checkpoint"
@@ -139,11 +129,15 @@ class MetricsLog:
         self._append(json.dumps({"step": step, **metrics}) + "\n")
         for k, v in metrics.items():
             self.tb.add_scalar(k, v, step)
+        if self.tb_dir.cloud:
+            self.tb.flush()
+            self.tb_dir.sync()
 
     def close(self):
         if self.primary:
-            os.close(self.fd)
+            self.file.close()
             self.tb.close()
+            self.tb_dir.close()
 
 
 def check_writable(directory: str):
@@ -161,8 +155,8 @@ def check_resume(cfg, run, workdir: str):
     config.RESUMABLE_KEYS as saved with the newest checkpoint. Read-only; before any write."""
     from onona_jax import config as config_lib
 
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
+    directory = paths.join(workdir, "checkpoints")
+    if not paths.isdir(directory):
         return
     newest = Checkpoints(directory, read_only=True).newest_config()
     if newest is None:
@@ -187,7 +181,7 @@ def save_failure(ckpts, step, err) -> cli.Failure:
     from onona_jax.checkpoint import short_error
 
     what = f"a checkpoint (found when saving step {step})" if step is not None else "a checkpoint"
-    good = [s for s in ckpts.steps() if os.path.exists(os.path.join(ckpts.directory, str(s), "commit_success.txt"))]
+    good = [s for s in ckpts.steps() if paths.exists(paths.join(ckpts.directory, str(s), "commit_success.txt"))]
     return cli.Failure(
         f"could not write {what} to {ckpts.directory} ({short_error(err)}); stopping. The last good "
         f"checkpoint (step {good[-1] if good else 'none'}) is intact; free space or fix the directory's "
@@ -201,9 +195,9 @@ def prepare_data(cfg, workdir: str) -> str:
 
     if cfg.data.dir:
         return cfg.data.dir
-    data_dir = os.path.join(workdir, "data")
+    data_dir = paths.join(workdir, "data")
     if jax.process_index() == 0:
-        pipeline.ensure_bundled_data(data_dir, cfg.data.seq_len)
+        pipeline.ensure_bundled_data(data_dir, cfg.data.seq_len, cache_dir=cfg.data.cache_dir or None)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -222,7 +216,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bo
         pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size,
                             cache_dir=cache).num_windows(cfg.data.seq_len)
         pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed, cache_dir=cache)
-    if cfg.init_from and not os.path.isdir(os.path.join(cfg.init_from, "checkpoints")):
+    if cfg.init_from and not paths.isdir(paths.join(cfg.init_from, "checkpoints")):
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
     try:
@@ -242,7 +236,7 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
 
     from onona_jax.data import pipeline, storage
 
-    check_writable(os.path.join(workdir, "checkpoints"))
+    check_writable(paths.join(workdir, "checkpoints"))
     data_dir = prepare_data(cfg, workdir)
     cache = cfg.data.cache_dir or None
     if jax.process_index() == 0:  # every shard against the manifest's hash, once per workdir
@@ -250,15 +244,13 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
     val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
                                               cache_dir=cache)
     if jax.process_index() == 0:
-        from onona_jax.eval.validation import write_json
-
         try:  # atomic: a failed write leaves the old config.json
-            write_json(json.loads(cfg.to_json()), os.path.join(workdir, "config.json"))
+            paths.write_json(paths.join(workdir, "config.json"), json.loads(cfg.to_json()))
         except OSError as err:
             raise cli.Failure(f"could not write {workdir}/config.json ({err.strerror or err}); free space "
                               "or make the workdir writable, then rerun the same command") from None
 
-    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    ckpts = Checkpoints(paths.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
     restored = ckpts.restore_latest(abstract_train_state(run))
     batches = pipeline.train_batches(
         data_dir, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,

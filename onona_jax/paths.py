@@ -1,0 +1,243 @@
+"""Every file a run reads or writes, on local disk or in a bucket, through one place.
+
+A workdir, a data dir, an eval output may be a local path or a cloud URL (`gs://bucket/run`,
+`s3://...`). Both go through `etils.epath` (what Orbax uses for checkpoints), whose cloud
+backend is fsspec (`gcsfs` for gs://: `pip install -e '.[gcs]'`). What each store guarantees:
+
+* local disk / NFS: a file is written under a private temporary name, fsynced, then renamed over
+  its target: a reader sees the old file or the new one, never half of one. Exclusive create
+  (the workdir lock) is a hard link that fails if the name exists.
+* object stores (GCS, S3): a file is one object upload; an object appears whole or not at all and
+  replaces the previous version in one step, so the same guarantee holds without a rename.
+  Exclusive create is a conditional upload (`ifGenerationMatch=0` on GCS: fsspec's
+  `pipe_file(mode="create")`), which the store itself refuses if the object exists. Appending
+  (metrics.jsonl, TensorBoard events) rewrites the whole object from this process's copy at
+  each flush: objects are immutable, and these files stay small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from etils import epath
+
+
+def is_cloud(p) -> bool:
+    """True for URLs such as gs://bucket/dir (file:// and plain paths are local)."""
+    s = os.fspath(p)
+    return "://" in s and not s.startswith("file://")
+
+
+def path(p) -> epath.Path:
+    return epath.Path(p)
+
+
+def join(p, *parts) -> str:
+    """`os.path.join` that keeps a URL's scheme (`gs://b/run` + `eval` -> `gs://b/run/eval`)."""
+    return os.fspath(epath.Path(p).joinpath(*parts))
+
+
+def absolute(p) -> str:
+    """A local path made absolute; a URL as given."""
+    return os.fspath(p) if is_cloud(p) else os.path.abspath(p)
+
+
+def exists(p) -> bool:
+    return epath.Path(p).exists()
+
+
+def isdir(p) -> bool:
+    return epath.Path(p).is_dir()
+
+
+def isfile(p) -> bool:
+    return epath.Path(p).is_file()
+
+
+def makedirs(p) -> None:
+    epath.Path(p).mkdir(parents=True, exist_ok=True)
+
+
+def read_text(p) -> str:
+    return epath.Path(p).read_text()
+
+
+def read_bytes(p) -> bytes:
+    return epath.Path(p).read_bytes()
+
+
+def glob(p, pattern: str) -> list[str]:
+    d = epath.Path(p)
+    return sorted(os.fspath(x) for x in d.glob(pattern)) if d.is_dir() else []
+
+
+def remove(p) -> None:
+    """Delete a file; a missing one is not an error."""
+    try:
+        epath.Path(p).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _fs(p):
+    import fsspec
+
+    return fsspec.core.url_to_fs(os.fspath(p))
+
+
+def write_atomic(p, data: str | bytes) -> None:
+    """Replace `p` with `data` in one step (see the module docstring for what each store does)."""
+    data = data.encode() if isinstance(data, str) else data
+    if is_cloud(p):
+        fs, key = _fs(p)
+        fs.pipe_file(key, data)
+        return
+    directory = os.path.dirname(os.path.abspath(p))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def upload(local_file, p) -> None:
+    """Copy a local file to `p` whole: a cloud upload is finalised (made visible) only at its end."""
+    if is_cloud(p):
+        fs, key = _fs(p)
+        fs.put_file(os.fspath(local_file), key)
+        return
+    import shutil
+
+    directory = os.path.dirname(os.path.abspath(p))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{p}.tmp-{os.getpid()}"
+    shutil.copyfile(local_file, tmp)
+    os.replace(tmp, p)
+
+
+def write_json(p, obj) -> None:
+    write_atomic(p, json.dumps(obj, indent=2))
+
+
+def create_exclusive(p, data: str | bytes) -> bool:
+    """Write `p` whole if no file of that name exists; False (nothing written) if one does."""
+    data = data.encode() if isinstance(data, str) else data
+    if is_cloud(p):
+        fs, key = _fs(p)
+        try:
+            fs.pipe_file(key, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+    tmp = f"{p}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        os.link(tmp, p)  # fails if `p` exists: the whole file or nothing appears
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+
+
+class Appender:
+    """Append-only text file (metrics.jsonl): one append per call, never a torn line.
+
+    Locally each `append` is one `write` on an O_APPEND descriptor and a failed write is cut back
+    to the previous length. In a bucket the object is rewritten whole from this process's copy
+    (read once at open), so a reader sees the file as of the last complete append."""
+
+    def __init__(self, p):
+        self.path = os.fspath(p)
+        self.cloud = is_cloud(p)
+        if self.cloud:
+            try:
+                self.data = bytearray(read_bytes(p))
+            except FileNotFoundError:
+                self.data = bytearray()
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+            self.fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def size(self) -> int:
+        return len(self.data) if self.cloud else os.fstat(self.fd).st_size
+
+    def tail(self, n: int) -> bytes:
+        if self.cloud:
+            return bytes(self.data[-n:])
+        size = self.size()
+        with open(self.path, "rb") as f:
+            f.seek(max(0, size - n))
+            return f.read()
+
+    def truncate(self, size: int) -> None:
+        if self.cloud:
+            del self.data[size:]
+            write_atomic(self.path, bytes(self.data))
+        else:
+            os.ftruncate(self.fd, size)
+
+    def append(self, data: bytes) -> None:
+        if self.cloud:
+            write_atomic(self.path, bytes(self.data) + data)  # raises before the copy changes
+            self.data += data
+            return
+        import errno
+
+        size = self.size()
+        try:
+            if os.write(self.fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write (disk full?)")
+        except OSError:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError:
+                pass
+            raise
+
+    def close(self) -> None:
+        if not self.cloud:
+            os.close(self.fd)
+
+
+class Mirror:
+    """A local directory whose files are copied to a cloud directory at each `sync()`, for writers
+    that only write local files (TensorBoard's event writer). For a local target it is the target."""
+
+    def __init__(self, target):
+        self.target = os.fspath(target)
+        self.cloud = is_cloud(target)
+        self.local = tempfile.mkdtemp(prefix="onona-mirror-") if self.cloud else self.target
+        self._sizes: dict[str, int] = {}
+
+    def sync(self) -> None:
+        if not self.cloud:
+            return
+        for root, _, files in os.walk(self.local):
+            for name in files:
+                src = os.path.join(root, name)
+                size = os.path.getsize(src)
+                if self._sizes.get(src) != size:
+                    rel = os.path.relpath(src, self.local)
+                    with open(src, "rb") as f:
+                        write_atomic(join(self.target, rel), f.read())
+                    self._sizes[src] = size
+
+    def close(self) -> None:
+        if self.cloud:
+            import shutil
+
+            self.sync()
+            shutil.rmtree(self.local, ignore_errors=True)
