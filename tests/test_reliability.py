@@ -28,6 +28,7 @@ import eval as eval_cli
 import train as train_cli
 from conftest import REPO, tiny_config
 from onona_jax import config as config_lib
+from onona_jax import paths
 from onona_jax import train as trainer
 from onona_jax.checkpoint import CheckpointMismatch, Checkpoints, restore_params, saved_config
 from onona_jax.train import loop
@@ -328,7 +329,7 @@ def test_metrics_never_torn_and_a_resume_repairs_the_tail(tmp_path, monkeypatch,
         real_write(fd, data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loop.os, "write", half_then_full)
+    monkeypatch.setattr(paths.os, "write", half_then_full)
     with pytest.raises(cli.Failure, match=r"could not write .*metrics.jsonl \(No space left on device\); stopping"):
         log.write(4, {"loss": 8.0})
     monkeypatch.undo()

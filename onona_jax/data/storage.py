@@ -177,9 +177,11 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
     raw = (d / "manifest.json").read_bytes()
     manifest = parse_manifest(raw, str(d / "manifest.json"), data_dir)
     key = hashlib.sha256(raw).hexdigest()
-    record = Path(record_dir) / "data_verified.json"
+    from onona_jax import paths
+
+    record = paths.join(record_dir, "data_verified.json")  # the run's workdir: local or a bucket
     try:
-        if json.loads(record.read_text()).get("manifest_sha256") == key:
+        if json.loads(paths.read_text(record)).get("manifest_sha256") == key:
             return False
     except (OSError, ValueError):
         pass  # no (readable) record: verify
@@ -198,7 +200,5 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
                     f"shard {path} ({size} bytes, sha256 {h.hexdigest()}) does not match {d}/manifest.json "
                     f"({shard.get('bytes', '?')} bytes, sha256 {shard['sha256']}): the data dir was changed "
                     f"or damaged after prepare; {prepare_hint(data_dir)} again")
-    tmp = record.with_name(f".{record.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"data_dir": str(d.resolve()), "manifest_sha256": key}, indent=2))
-    os.replace(tmp, record)
+    paths.write_json(record, {"data_dir": str(d.resolve()), "manifest_sha256": key})
     return True
