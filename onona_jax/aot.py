@@ -39,7 +39,7 @@ import time
 
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import cli, paths
 
 GiB = 1024**3
 
@@ -713,8 +713,7 @@ def _main(FLAGS, rest):
     except ValueError as err:  # the mesh or the batch does not suit the slice
         raise cli.UsageError(f"{err} (on {s.name}: {s.devices} devices)") from None
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(result, f, indent=2)
+        paths.write_json(FLAGS.json_out, result)
     if FLAGS.json:
         print(json.dumps(result, indent=2))
     else:
