@@ -72,3 +72,27 @@ def run_steps(cfg, n_steps=3, devices=None, init=None):
         state, m = step(state, trainer.global_batch(run, next(batches)))
         losses.append(m["loss"])
     return np.array(jax.device_get(losses), np.float64), state, run
+
+
+@pytest.fixture(scope="session")
+def _gcs_emulator():
+    """One local GCS emulator per test session (tests/fake_gcs.py): GCS clients read their
+    endpoint once per process, so the port must not change between tests."""
+    pytest.importorskip("gcp_storage_emulator", reason="the fake GCS needs gcp-storage-emulator (`pip install -e '.[test]'`)")
+    pytest.importorskip("gcsfs", reason="gs:// paths need gcsfs (`pip install -e '.[gcs]'`)")
+    import fake_gcs
+
+    server = fake_gcs.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake_gcs(_gcs_emulator, monkeypatch):
+    """`gs://<a new empty bucket>` on the local emulator; this process and the subprocesses it
+    starts (train.py, eval.py) read and write it through epath/gcsfs and Orbax/TensorStore alike."""
+    import fake_gcs as fake
+
+    for key, value in fake.env(_gcs_emulator.url).items():  # (set already; kept for a subprocess env=)
+        monkeypatch.setenv(key, value)
+    return f"gs://{_gcs_emulator.new_bucket()}"

@@ -1,0 +1,213 @@
+"""A local, offline stand-in for Google Cloud Storage, for tests of `gs://` workdirs and data dirs.
+
+One HTTP server (the pure-Python `gcp-storage-emulator`, in memory, on a free port of 127.0.0.1)
+serves the GCS JSON API to both clients a run uses:
+
+- our own reads and writes (`etils.epath.Path("gs://...")` -> fsspec -> gcsfs), pointed at it by
+  STORAGE_EMULATOR_HOST;
+- Orbax's array data (TensorStore's own `gcs` kvstore driver, not fsspec), pointed at it by
+  TENSORSTORE_GCS_HTTP_URL, with GOOGLE_AUTH_TOKEN_FOR_TESTING so TensorStore never looks for
+  credentials (no metadata-server probe).
+
+`env(url)` (below) is everything a process needs; `start()` puts it in os.environ, so subprocesses
+(train.py, eval.py) started afterwards reach the same store. Clients read their endpoint once per
+process (epath caches its gcsfs filesystem), so one server serves a whole test session and each
+test gets its own bucket.
+
+What the fake does NOT model (so a test passing here says nothing about it): object generations
+and preconditions other than create-if-absent (`ifGenerationMatch=0` on an upload is enforced,
+see `_storage`; any other generation match is ignored, so TensorStore's read-modify-write
+conditions and OCDBT's manifest races are not exercised), latency, throttling (429/503) and retries,
+resumable-upload failures halfway, IAM/credentials, hierarchical-namespace and zonal buckets
+(gcsfs's check for them is switched off here), and eventual consistency (GCS itself is strongly
+consistent for object reads, writes and listings; the emulator is too, trivially).
+"""
+
+from __future__ import annotations
+
+import http.server
+import itertools
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from functools import partial
+
+_ENV_BASE = {
+    # TensorStore: a fixed bearer token instead of credential discovery (no network, no GCE probe).
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token",
+    # gcsfs >= 2025.x asks the Storage Control API (gRPC, real credentials) whether a bucket is
+    # zonal or hierarchical before most calls; the emulator has no such API. Must be set before
+    # gcsfs is imported.
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    # gcsfs: anonymous requests (no search for credentials). Its listing cache is left as the
+    # project sets it (`onona_jax.data.storage.fresh_listings`), so the tests see what users get.
+    "FSSPEC_GCS": '{"token": "anon"}',
+}
+
+
+def env(url: str) -> dict[str, str]:
+    """The environment variables that point every GCS client of a process at `url`."""
+    return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, **_ENV_BASE}
+
+
+def _move_to(request, response, storage, *args, **kwargs):
+    """objects.moveTo (gcsfs renames with it; the emulator lacks it): copy, then delete the source,
+    under the server's lock, so no reader sees both or neither."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    p = request.params
+    try:
+        dest = objects._copy(request.base_url, storage, p["bucket_name"], p["object_id"], p["bucket_name"],
+                             p["dest_object_id"])
+    except NotFound:
+        response.status = HTTPStatus.NOT_FOUND
+        return
+    objects._delete(storage, p["bucket_name"], p["object_id"])
+    response.json(dest)
+
+
+def _patch_emulator():
+    from gcp_storage_emulator import server
+
+    if getattr(server, "_onona_patched", False):
+        return
+    route = (r"^/storage/v1/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$",
+             {server.POST: _move_to})
+    server.HANDLERS = (route, *server.HANDLERS)
+    server._onona_patched = True
+    # One line per request at INFO, and a "Resource not found" error per probe of a missing
+    # object (TensorStore and Orbax probe on purpose): keep the test log for real failures.
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # TensorStore opens many connections at once
+
+    def handle_error(self, request, client_address):
+        pass  # a client that hung up early (BrokenPipe): not a test failure
+
+
+@dataclass
+class FakeGCS:
+    url: str
+    server: _Server
+    thread: threading.Thread
+    storage: object
+    saved: dict | None = None
+    _buckets = itertools.count()
+
+    def new_bucket(self, prefix: str = "fake-bucket") -> str:
+        """Create an empty bucket with a name no other test of this session uses."""
+        from gcp_storage_emulator.handlers import buckets
+
+        name = f"{prefix}-{next(self._buckets)}"
+        buckets.create_bucket(name, self.storage)
+        return name
+
+    def stop(self):
+        restore(self.saved)
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+class _PreconditionFailed(Exception):
+    pass
+
+
+def _storage():
+    """The emulator's in-memory store, plus the one precondition a create-if-absent needs:
+    `ifGenerationMatch=0` on an upload fails with 412 when the object exists (the emulator
+    ignores preconditions; gcsfs's `open(path, "xb")` / `pipe(..., mode="create")` send it, and
+    gcsfs turns the 412 into FileExistsError)."""
+    from gcp_storage_emulator.storage import Storage
+
+    class PreconditionStorage(Storage):
+        if_generation_match = None  # of the request being served (requests run one at a time)
+
+        def _check(self, bucket, name):
+            if self.if_generation_match == "0" and name in self.objects.get(bucket, {}):
+                raise _PreconditionFailed(f"{bucket}/{name} exists")
+
+        def create_file(self, bucket_name, file_name, content, file_obj, file_id=None):
+            self._check(bucket_name, file_name)
+            return super().create_file(bucket_name, file_name, content, file_obj, file_id)
+
+        def create_resumable_upload(self, bucket_name, file_name, file_obj):
+            self._check(bucket_name, file_name)  # real GCS checks at the last chunk; here at the first
+            return super().create_resumable_upload(bucket_name, file_name, file_obj)
+
+    return PreconditionStorage(use_memory_fs=True)
+
+
+def start() -> FakeGCS:
+    """Start the emulator on a free port of 127.0.0.1 in a daemon thread of this process, and
+    point this process (`use`) and the subprocesses it starts afterwards at it."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from gcp_storage_emulator import server
+
+    _patch_emulator()
+    storage = _storage()
+    lock = threading.Lock()  # the in-memory store is not thread-safe: one request at a time
+
+    def locked(method):
+        def do(self):
+            with lock:
+                storage.if_generation_match = parse_qs(urlsplit(self.path).query).get("ifGenerationMatch", [None])[0]
+                try:
+                    server.Router(self).handle(method)
+                except _PreconditionFailed as err:
+                    body = json.dumps({"error": {"code": 412, "message": f"conditionNotMet: {err}"}}).encode()
+                    self.send_response(412)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+        return do
+
+    handler = type("Handler", (server.RequestHandler,), {
+        f"do_{m}": locked(m) for m in (server.GET, server.POST, server.PUT, server.DELETE, server.PATCH)})
+    httpd = _Server(("127.0.0.1", 0), partial(handler, storage))
+    thread = threading.Thread(target=httpd.serve_forever, name="fake-gcs", daemon=True)
+    thread.start()
+    fake = FakeGCS(f"http://127.0.0.1:{httpd.server_address[1]}", httpd, thread, storage)
+    fake.saved = use(fake.url)
+    return fake
+
+
+def use(url: str) -> dict:
+    """Point this process's GCS clients at `url`: os.environ (read by TensorStore, gcsfs and
+    subprocesses), fsspec's config for gcsfs (fsspec read FSSPEC_GCS when it was imported), the
+    plain gcsfs filesystem if gcsfs was imported before, and no cached filesystem in epath or
+    fsspec. Returns what to hand `restore` to undo it."""
+    saved_env = {k: os.environ.get(k) for k in env(url)}
+    os.environ.update(env(url))
+    import fsspec
+    import fsspec.config
+    import gcsfs.core
+    from etils.epath import backend
+
+    saved_conf = fsspec.config.conf.get("gcs")
+    fsspec.config.conf["gcs"] = {**(saved_conf or {}), **json.loads(_ENV_BASE["FSSPEC_GCS"])}
+    for protocol in ("gs", "gcs"):  # not the zonal-bucket subclass, whenever gcsfs was imported
+        fsspec.register_implementation(protocol, gcsfs.core.GCSFileSystem, clobber=True)
+    fsspec.AbstractFileSystem.clear_instance_cache()
+    backend.fsspec_backend._get_filesystem.cache_clear()
+    return {"env": saved_env, "conf": saved_conf}
+
+
+def restore(saved: dict) -> None:
+    import fsspec.config
+    from etils.epath import backend
+
+    for k, v in saved["env"].items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    fsspec.config.conf.pop("gcs", None) if saved["conf"] is None else fsspec.config.conf.__setitem__("gcs", saved["conf"])
+    backend.fsspec_backend._get_filesystem.cache_clear()
