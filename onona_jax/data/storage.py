@@ -44,9 +44,31 @@ def prepare_hint(data_dir) -> str:
     return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
 
 
+def fresh_listings() -> None:
+    """Make gcsfs and s3fs (epath's `gs://` and `s3://` backends) list a bucket afresh each time
+    in this process. By default they keep every directory listing for the life of the process
+    and see only their own writes, so a checkpoint step, lock or shard written by another process
+    (another host, a resumed run, or TensorStore inside this one) stays invisible to `exists()`
+    and `iterdir()`. Our listings are few and small. A setting of the user's own (FSSPEC_GCS,
+    FSSPEC_S3 or fsspec's config files) is kept. Call before the first remote path is touched
+    (it also drops epath's cached filesystems, so calling it later works too)."""
+    import fsspec.config
+
+    changed = False
+    for protocol in ("gcs", "s3"):
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        if "use_listings_cache" not in conf:
+            conf["use_listings_cache"], changed = False, True
+    if changed:
+        from etils.epath import backend
+
+        backend.fsspec_backend._get_filesystem.cache_clear()
+
+
 def _epath(path):
     from etils import epath  # imported here: local data needs none of it
 
+    fresh_listings()
     return epath.Path(path)
 
 
@@ -177,7 +199,7 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
     raw = (d / "manifest.json").read_bytes()
     manifest = parse_manifest(raw, str(d / "manifest.json"), data_dir)
     key = hashlib.sha256(raw).hexdigest()
-    record = Path(record_dir) / "data_verified.json"
+    record = _epath(record_dir) / "data_verified.json"  # the run dir: local or in a bucket
     try:
         if json.loads(record.read_text()).get("manifest_sha256") == key:
             return False
@@ -198,7 +220,18 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
                     f"shard {path} ({size} bytes, sha256 {h.hexdigest()}) does not match {d}/manifest.json "
                     f"({shard.get('bytes', '?')} bytes, sha256 {shard['sha256']}): the data dir was changed "
                     f"or damaged after prepare; {prepare_hint(data_dir)} again")
-    tmp = record.with_name(f".{record.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"data_dir": str(d.resolve()), "manifest_sha256": key}, indent=2))
-    os.replace(tmp, record)
+    write_whole(record, json.dumps({"data_dir": str(d.resolve()), "manifest_sha256": key}, indent=2))
     return True
+
+
+def write_whole(path, text: str) -> None:
+    """Write a small file so that a reader sees the old content or the new, never part of it:
+    locally a temp file renamed over it; in an object store one single-object upload (an object
+    appears whole or not at all, and a rename there would be a copy and a delete)."""
+    path = _epath(path)
+    if is_remote(path):
+        path.write_text(text)
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
