@@ -11,6 +11,11 @@ checkpoint of a different model (names, shapes, dtypes) is never "corrupt": it i
 
 Evaluation, serving, export and analysis restore the parameters only (`restore_params`):
 no optimizer state, no training run, so a read needs the parameters' memory and nothing more.
+
+The checkpoint directory may be a bucket (`gs://...`): paths are `etils.epath` paths, as in
+Orbax. There Orbax marks a finished step with a `commit_success.txt` object instead of a rename
+(an object store has none), and setting a step aside copies its objects and then deletes them,
+the marker first, so a step is never lost and never half-listed.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from onona_jax import cli
+from onona_jax.data import storage
 
 
 class CheckpointMismatch(ValueError):
@@ -184,8 +191,12 @@ def quiet():
 
 
 class Checkpoints:
-    def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
-        self.directory = os.path.abspath(directory)
+    def __init__(self, directory, keep: int = 3, read_only: bool = False):
+        if storage.is_remote(directory):
+            storage.fresh_listings()  # see steps that other processes wrote
+            self.directory = epath.Path(directory)
+        else:
+            self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -277,7 +288,7 @@ class Checkpoints:
         from `abstract_params` (read from the metadata, no array read); an unreadable metadata
         file raises its read error (the checkpoint is then unreadable, not mismatched)."""
         with quiet():  # (the check inside, so a failure waits out TensorStore's noise too)
-            meta = ocp.PyTreeCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+            meta = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state")
             tree = getattr(meta, "item_metadata", meta)
             if tree is None or "params" not in tree:
                 raise OSError(f"no readable array metadata in {self.directory}/{step}/state")
@@ -343,14 +354,32 @@ class Checkpoints:
         return None
 
     def _set_aside(self, step: int) -> str:
-        src = os.path.join(self.directory, str(step))
-        dst = os.path.join(self.directory, "corrupt", f"{step}-{int(time.time())}")
-        if jax.process_index() == 0 and os.path.exists(src):
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            shutil.move(src, dst)
+        src = self.directory / str(step)
+        dst = self.directory / "corrupt" / f"{step}-{int(time.time())}"
+        if jax.process_index() == 0 and src.exists():
+            if storage.is_remote(src):
+                _move_objects(src, dst)
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(src, dst)  # one rename
         # Reload the manager's view of which steps exist.
         self.manager.reload()
-        return dst
+        return str(dst)
+
+
+def _move_objects(src: epath.Path, dst: epath.Path) -> None:
+    """Move a directory of a bucket: copy every object (in the store, no download), then delete
+    the originals, Orbax's commit marker first, so Orbax stops listing the step before any of it
+    goes, and every object exists in one place or both at any moment."""
+    import fsspec
+
+    fs, src_key = fsspec.core.url_to_fs(str(src))
+    dst_key = fsspec.core.url_to_fs(str(dst))[1]
+    fs.copy(src_key, dst_key, recursive=True)
+    marker = f"{src_key}/{ocp.path.atomicity_types.COMMIT_SUCCESS_FILE}"
+    if fs.exists(marker):
+        fs.rm(marker)
+    fs.rm(src_key, recursive=True)
 
 
 def _config(ckpts: Checkpoints, step: int):
@@ -371,7 +400,7 @@ def _config(ckpts: Checkpoints, step: int):
 def saved_config(workdir: str, step: int | None = None):
     """The config saved with a run's checkpoint (the newest readable one unless `step`), no
     array read. Read-only: an unreadable step is skipped, never moved."""
-    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
+    ckpts = Checkpoints(epath.Path(workdir) / "checkpoints", read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
     restored = ckpts.restore_latest(None, step, read=lambda s: (_config(ckpts, s),))
@@ -392,7 +421,7 @@ def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devic
     (`Checkpoints.restore_params`)."""
     from onona_jax import models, sharding
 
-    ckpts = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
+    ckpts = Checkpoints(epath.Path(workdir) / "checkpoints", read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
     grid = sharding.make_mesh(*mesh, devices)

@@ -14,10 +14,10 @@ serves the GCS JSON API to both clients a run uses:
 process (epath caches its gcsfs filesystem), so one server serves a whole test session and each
 test gets its own bucket.
 
-What the fake does NOT model (so a test passing here says nothing about it): object generations
-and preconditions other than create-if-absent (`ifGenerationMatch=0` on an upload is enforced,
-see `_storage`; any other generation match is ignored, so TensorStore's read-modify-write
-conditions and OCDBT's manifest races are not exercised), latency, throttling (429/503) and retries,
+What the fake does NOT model (so a test passing here says nothing about it): preconditions other
+than `ifGenerationMatch` on uploads and deletes (see `_storage`; `ifMetagenerationMatch` and
+`ifGenerationNotMatch` are ignored), a resumable upload's precondition checked at its end (here at
+its start), latency, throttling (429/503) and retries,
 resumable-upload failures halfway, IAM/credentials, hierarchical-namespace and zonal buckets
 (gcsfs's check for them is switched off here), and eventual consistency (GCS itself is strongly
 consistent for object reads, writes and listings; the emulator is too, trivially).
@@ -122,18 +122,29 @@ class _PreconditionFailed(Exception):
 
 
 def _storage():
-    """The emulator's in-memory store, plus the one precondition a create-if-absent needs:
-    `ifGenerationMatch=0` on an upload fails with 412 when the object exists (the emulator
-    ignores preconditions; gcsfs's `open(path, "xb")` / `pipe(..., mode="create")` send it, and
-    gcsfs turns the 412 into FileExistsError)."""
+    """The emulator's in-memory store, plus object generations as TensorStore uses them (the
+    emulator has generations but ignores preconditions and sends no generation header):
+    an upload or delete with `ifGenerationMatch=G` fails with 412 unless the object's generation
+    is G (0: the object must not exist), and a read says the object's generation in
+    `x-goog-generation`. TensorStore's OCDBT writes its manifest with these conditions; gcsfs's
+    `open(path, "xb")` / `pipe(..., mode="create")` send `ifGenerationMatch=0` and turn the 412
+    into FileExistsError (a lock's create-if-absent)."""
     from gcp_storage_emulator.storage import Storage
 
-    class PreconditionStorage(Storage):
+    class GenerationStorage(Storage):
         if_generation_match = None  # of the request being served (requests run one at a time)
+        served = None  # the object the request read, for its generation header
 
         def _check(self, bucket, name):
-            if self.if_generation_match == "0" and name in self.objects.get(bucket, {}):
-                raise _PreconditionFailed(f"{bucket}/{name} exists")
+            if self.if_generation_match is None:
+                return
+            obj = self.objects.get(bucket, {}).get(name)
+            if self.if_generation_match != (obj["generation"] if obj else "0"):
+                raise _PreconditionFailed(f"{bucket}/{name}: generation is not {self.if_generation_match}")
+
+        def get_file_obj(self, bucket_name, file_name):
+            self.served = super().get_file_obj(bucket_name, file_name)
+            return self.served
 
         def create_file(self, bucket_name, file_name, content, file_obj, file_id=None):
             self._check(bucket_name, file_name)
@@ -143,7 +154,11 @@ def _storage():
             self._check(bucket_name, file_name)  # real GCS checks at the last chunk; here at the first
             return super().create_resumable_upload(bucket_name, file_name, file_obj)
 
-    return PreconditionStorage(use_memory_fs=True)
+        def delete_file(self, bucket_name, file_name):
+            self._check(bucket_name, file_name)
+            return super().delete_file(bucket_name, file_name)
+
+    return GenerationStorage(use_memory_fs=True)
 
 
 def start() -> FakeGCS:
@@ -160,7 +175,9 @@ def start() -> FakeGCS:
     def locked(method):
         def do(self):
             with lock:
-                storage.if_generation_match = parse_qs(urlsplit(self.path).query).get("ifGenerationMatch", [None])[0]
+                query = parse_qs(urlsplit(self.path).query)
+                storage.if_generation_match = query.get("ifGenerationMatch", [None])[0]
+                storage.served = None
                 try:
                     server.Router(self).handle(method)
                 except _PreconditionFailed as err:
@@ -172,8 +189,19 @@ def start() -> FakeGCS:
                     self.wfile.write(body)
         return do
 
-    handler = type("Handler", (server.RequestHandler,), {
-        f"do_{m}": locked(m) for m in (server.GET, server.POST, server.PUT, server.DELETE, server.PATCH)})
+    def send_response(self, code, message=None):
+        server.RequestHandler.send_response(self, code, message)
+        if storage.served is not None and code in (200, 206):
+            self.send_header("x-goog-generation", storage.served["generation"])
+            self.send_header("x-goog-metageneration", storage.served["metageneration"])
+
+    methods = {f"do_{m}": locked(m) for m in (server.GET, server.POST, server.PUT, server.DELETE, server.PATCH)}
+    # HTTP/1.1 so that a client's "Expect: 100-continue" (curl, under TensorStore, sends it for
+    # bodies over 1 MB) is answered at once instead of after curl's 1 s wait; every response of
+    # the emulator carries its Content-Length, so connections can be kept alive.
+    handler = type("Handler", (server.RequestHandler,),
+                   {**methods, "send_response": send_response, "protocol_version": "HTTP/1.1",
+                    "disable_nagle_algorithm": True})  # headers and body go in two writes: no 40 ms stall
     httpd = _Server(("127.0.0.1", 0), partial(handler, storage))
     thread = threading.Thread(target=httpd.serve_forever, name="fake-gcs", daemon=True)
     thread.start()

@@ -230,6 +230,66 @@ def test_sigkill_after_checkpoint_then_rerun_is_bit_exact(cli, reference, tiny_d
         assert data_state(workdir, s) == expected_data_state(tiny_data, s)
 
 
+def test_bucket_workdir_and_data_sigterm_resume_eval(cli, reference, tiny_data, fake_gcs, tmp_path):
+    """The whole cycle with the workdir and the data dir in a bucket (gs://, the local GCS
+    emulator of tests/fake_gcs.py): prepare uploads the data, train.py copies it into its cache,
+    logs and checkpoints to the bucket, stops on SIGTERM, resumes bit for bit, and eval.py writes
+    its JSON there. Layers exercised for real: our epath/gcsfs reads and writes (config.json,
+    metrics.jsonl rewritten per logged step, TensorBoard copies, the conditional-create lock,
+    eval JSON, prepare's upload, the data cache) and Orbax's checkpoints through TensorStore's
+    own GCS driver; what the emulator does not model is listed in tests/fake_gcs.py."""
+    from onona_jax import paths
+    from onona_jax.data.prepare import prepare
+
+    data, workdir = f"{fake_gcs}/data", f"{fake_gcs}/run"
+    local_manifest = json.loads((Path(tiny_data) / "manifest.json").read_text())
+    prepare([str(Path(tiny_data).parent / "austen_head.txt")], data, heldout_fraction=0.1)
+    uploaded = json.loads(paths.read_text(f"{data}/manifest.json"))
+    assert uploaded["splits"] == local_manifest["splits"]  # the same shards, hash for hash
+
+    def bucket_losses():
+        try:
+            text = paths.read_text(f"{workdir}/metrics.jsonl")
+        except FileNotFoundError:
+            return []
+        return [(m["step"], m["loss"]) for m in map(json.loads, text.splitlines()) if "loss" in m]
+
+    cache = tmp_path / "cache"
+    extra = dict(data__dir=data, data__cache_dir=cache)
+    log = tmp_path / "log1.txt"
+    p = cli.start(workdir, log, **extra)
+    try:
+        wait_for(lambda: any(s >= 3 for s, _ in bucket_losses()), p, log, "step 3 was logged", poll=0.1)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=TIMEOUT)
+    finally:
+        stop(p)
+    out = log.read_text()
+    assert rc == 0, out[-3000:]
+    stopped = re.search(r"pre-empted: saved step (\d+); rerun the same command to resume", out)
+    assert stopped, f"the run finished before SIGTERM took effect:\n{out[-3000:]}"
+    k = int(stopped[1])
+    assert paths.exists(f"{workdir}/checkpoints/{k}/commit_success.txt") or paths.isdir(f"{workdir}/checkpoints/{k}")
+    assert not paths.exists(f"{workdir}/lock.json")  # released on the way out
+    assert sorted(f.name for f in cache.rglob("*.bin")) == sorted(
+        sh["file"] for sp in local_manifest["splits"].values() for sh in sp["shards"])
+
+    rc, out = cli.run(workdir, tmp_path / "log2.txt", **extra)
+    assert rc == 0, out[-3000:]
+    assert f"resumed from step {k} " in out
+    logged = bucket_losses()
+    assert [s for s, _ in logged] == list(range(1, STEPS + 1))
+    assert all(loss == reference["loss"][s] for s, loss in logged), (logged, reference["loss"])
+    assert json.loads(paths.read_text(f"{workdir}/config.json"))["data"]["dir"] == data
+    assert paths.glob(f"{workdir}/tensorboard", "events.out.tfevents.*")
+
+    rc = subprocess.call([sys.executable, "eval.py", f"--workdir={workdir}"], cwd=REPO, env=cli.env,
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "eval.txt", "w"))
+    assert rc == 0, (tmp_path / "eval.txt").read_text()[-3000:]
+    result = json.loads(paths.read_text(f"{workdir}/eval/step_{STEPS}.json"))
+    assert result["step"] == STEPS and result["val_loss"] == reference["val_loss"]
+
+
 def test_saved_data_state_resumes_the_same_windows(reference, tiny_data):
     """An iterator restored from a checkpoint's `data` state yields the batches an uninterrupted
     iterator yields from that step on."""

@@ -287,7 +287,7 @@ def prepare(
     """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json).
     `output` may be a bucket URL (gs://...): see `_prepare_to_bucket`."""
     if paths.is_cloud(output):
-        return _prepare_to_bucket(inputs, output, heldout_fraction, shard_tokens, seed, overwrite,
+        return _prepare_to_bucket(inputs, output, heldout_fraction, shard_tokens, seed, overwrite=overwrite,
                                   text_column=text_column, tokens_column=tokens_column, workers=workers,
                                   max_tokens=max_tokens)
     if not 0 <= heldout_fraction < 1:

@@ -44,9 +44,31 @@ def prepare_hint(data_dir) -> str:
     return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
 
 
+def fresh_listings() -> None:
+    """Make gcsfs and s3fs (epath's `gs://` and `s3://` backends) list a bucket afresh each time
+    in this process. By default they keep every directory listing for the life of the process
+    and see only their own writes, so a checkpoint step, lock or shard written by another process
+    (another host, a resumed run, or TensorStore inside this one) stays invisible to `exists()`
+    and `iterdir()`. Our listings are few and small. A setting of the user's own (FSSPEC_GCS,
+    FSSPEC_S3 or fsspec's config files) is kept. Call before the first remote path is touched
+    (it also drops epath's cached filesystems, so calling it later works too)."""
+    import fsspec.config
+
+    changed = False
+    for protocol in ("gcs", "s3"):
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        if "use_listings_cache" not in conf:
+            conf["use_listings_cache"], changed = False, True
+    if changed:
+        from etils.epath import backend
+
+        backend.fsspec_backend._get_filesystem.cache_clear()
+
+
 def _epath(path):
     from etils import epath  # imported here: local data needs none of it
 
+    fresh_listings()
     return epath.Path(path)
 
 
@@ -202,3 +224,4 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
                     f"or damaged after prepare; {prepare_hint(data_dir)} again")
     paths.write_json(record, {"data_dir": str(d.resolve()), "manifest_sha256": key})
     return True
+
