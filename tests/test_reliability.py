@@ -134,23 +134,26 @@ def test_second_train_exits_2_naming_the_holder(tiny_data, copy_run, capfd):
         holder.wait()
 
 
-def test_concurrent_lockers_exactly_one_wins(tmp_path):
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_concurrent_lockers_exactly_one_wins(tmp_path, where, request):
     """Four processes race for one workdir's lock: exactly one holds it, the others are refused
-    naming that one's pid."""
-    script = ("import importlib.util, sys, time\n"  # lock.py alone: no jax, no package import
+    naming that one's pid. In a bucket (the local GCS emulator) the store's conditional create
+    decides."""
+    wd = f"{request.getfixturevalue('fake_gcs')}/wd" if where == "bucket" else str(tmp_path / "wd")
+    script = ("import importlib.util, sys, time\n"  # lock.py and paths.py: no jax
               f"spec = importlib.util.spec_from_file_location('lock', {os.path.join(REPO, 'onona_jax/train/lock.py')!r})\n"
               "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); WorkdirLock = m.WorkdirLock\n"
               "try:\n    lock = WorkdirLock(sys.argv[1]).acquire()\nexcept ValueError as e:\n"
               "    print('refused', e); sys.exit(2)\nprint('held'); sys.stdout.flush(); time.sleep(4); lock.release()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "wd")], stdout=subprocess.PIPE,
-                              text=True) for _ in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", script, wd], stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
     outs = [(p.pid, p.communicate(timeout=120)[0], p.returncode) for p in procs]
     winners = [pid for pid, out, rc in outs if rc == 0 and out.startswith("held")]
     assert len(winners) == 1, outs
     for pid, out, rc in outs:
         if pid != winners[0]:
             assert rc == 2 and f"pid {winners[0]} " in out, outs
-    assert not (tmp_path / "wd" / "lock.json").exists()  # released at exit
+    assert not paths.exists(f"{wd}/lock.json")  # released at exit
 
 
 def test_stale_lock_on_this_host_is_replaced(tmp_path, capfd):
