@@ -95,4 +95,6 @@ def fake_gcs(_gcs_emulator, monkeypatch):
 
     for key, value in fake.env(_gcs_emulator.url).items():  # (set already; kept for a subprocess env=)
         monkeypatch.setenv(key, value)
-    return f"gs://{_gcs_emulator.new_bucket()}"
+    bucket = _gcs_emulator.new_bucket()
+    yield f"gs://{bucket}"
+    _gcs_emulator.empty(bucket)
