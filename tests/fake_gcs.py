@@ -246,6 +246,12 @@ def restore(saved: dict) -> None:
     from etils.epath import backend
 
     for k, v in saved["env"].items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    fsspec.config.conf.pop("gcs", None) if saved["conf"] is None else fsspec.config.conf.__setitem__("gcs", saved["conf"])
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if saved["conf"] is None:
+        fsspec.config.conf.pop("gcs", None)
+    else:
+        fsspec.config.conf["gcs"] = saved["conf"]
     backend.fsspec_backend._get_filesystem.cache_clear()

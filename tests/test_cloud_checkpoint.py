@@ -55,9 +55,9 @@ def test_fake_gcs_store_semantics(fake_gcs, tiny_data):
             f.write(b"host-b")
     assert fs.cat_file(lock) == b"host-a"
 
-    assert sorted(p.name for p in run.iterdir()) == ["config.json", "lock", "old.jsonl"]  # listed (cached?) now
-    subprocess.run([sys.executable, "-c", f"from etils import epath; epath.Path('{fake_gcs}/run/other').write_text('x')"],
-                   check=True, timeout=60)
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "lock", "old.jsonl"]  # listed once here
+    write = f"from etils import epath; epath.Path('{fake_gcs}/run/other').write_text('x')"
+    subprocess.run([sys.executable, "-c", write], check=True, timeout=60)
     assert (run / "other").exists() and "other" in {p.name for p in run.iterdir()}
 
 
