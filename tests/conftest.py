@@ -78,7 +78,8 @@ def run_steps(cfg, n_steps=3, devices=None, init=None):
 def _gcs_emulator():
     """One local GCS emulator per test session (tests/fake_gcs.py): GCS clients read their
     endpoint once per process, so the port must not change between tests."""
-    pytest.importorskip("gcp_storage_emulator", reason="the fake GCS needs gcp-storage-emulator (`pip install -e '.[test]'`)")
+    pytest.importorskip("gcp_storage_emulator",
+                        reason="the fake GCS needs gcp-storage-emulator (`pip install -e '.[test]'`)")
     pytest.importorskip("gcsfs", reason="gs:// paths need gcsfs (`pip install -e '.[gcs]'`)")
     import fake_gcs
 
@@ -95,4 +96,6 @@ def fake_gcs(_gcs_emulator, monkeypatch):
 
     for key, value in fake.env(_gcs_emulator.url).items():  # (set already; kept for a subprocess env=)
         monkeypatch.setenv(key, value)
-    return f"gs://{_gcs_emulator.new_bucket()}"
+    bucket = _gcs_emulator.new_bucket()
+    yield f"gs://{bucket}"
+    _gcs_emulator.empty(bucket)

@@ -99,6 +99,7 @@ class FakeGCS:
     server: _Server
     thread: threading.Thread
     storage: object
+    lock: object
     saved: dict | None = None
     _buckets = itertools.count()
 
@@ -107,8 +108,17 @@ class FakeGCS:
         from gcp_storage_emulator.handlers import buckets
 
         name = f"{prefix}-{next(self._buckets)}"
-        buckets.create_bucket(name, self.storage)
+        with self.lock:
+            buckets.create_bucket(name, self.storage)
+            # No soft delete (the emulator keeps deleted objects 7 days by default, in memory).
+            self.storage.buckets[name]["softDeletePolicy"] = {"retentionDurationSeconds": "0"}
         return name
+
+    def empty(self, bucket: str) -> None:
+        """Delete every object of `bucket` (frees the memory a test's checkpoints took)."""
+        with self.lock:
+            for key in list(self.storage.objects.get(bucket, {})):
+                self.storage._hard_delete_file(bucket, key)
 
     def stop(self):
         restore(self.saved)
@@ -205,7 +215,7 @@ def start() -> FakeGCS:
     httpd = _Server(("127.0.0.1", 0), partial(handler, storage))
     thread = threading.Thread(target=httpd.serve_forever, name="fake-gcs", daemon=True)
     thread.start()
-    fake = FakeGCS(f"http://127.0.0.1:{httpd.server_address[1]}", httpd, thread, storage)
+    fake = FakeGCS(f"http://127.0.0.1:{httpd.server_address[1]}", httpd, thread, storage, lock)
     fake.saved = use(fake.url)
     return fake
 
@@ -236,6 +246,12 @@ def restore(saved: dict) -> None:
     from etils.epath import backend
 
     for k, v in saved["env"].items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    fsspec.config.conf.pop("gcs", None) if saved["conf"] is None else fsspec.config.conf.__setitem__("gcs", saved["conf"])
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if saved["conf"] is None:
+        fsspec.config.conf.pop("gcs", None)
+    else:
+        fsspec.config.conf["gcs"] = saved["conf"]
     backend.fsspec_backend._get_filesystem.cache_clear()

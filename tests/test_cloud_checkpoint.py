@@ -28,11 +28,15 @@ def bucket_digest(url: str) -> dict:
     return {key[len(root) + 1:]: hashlib.sha256(fs.cat_file(key)).hexdigest() for key in sorted(fs.find(root))}
 
 
-def test_fake_gcs_store_semantics(fake_gcs):
+def test_fake_gcs_store_semantics(fake_gcs, tiny_data):
     """What our workdir code relies on, through epath as our code calls it: whole-object write and
     read, glob, rename, create-if-absent refused when the object exists (the lock's primitive,
-    gcsfs `open(..., "xb")`), and a listing that sees another process's write."""
+    gcsfs `open(..., "xb")`), a listing that sees another process's write, and the record of
+    verified data kept in a gs:// run dir (hashed once, then read back from the bucket)."""
     run = epath.Path(fake_gcs) / "run"
+    assert storage.verify_once(tiny_data, str(run)) is True
+    assert storage.verify_once(tiny_data, str(run)) is False
+    (run / "data_verified.json").unlink()
     storage.write_whole(run / "config.json", '{"a": 1}')
     storage.write_whole(run / "config.json", '{"a": 2}')  # replaced whole
     assert json.loads((run / "config.json").read_text()) == {"a": 2}
@@ -51,9 +55,9 @@ def test_fake_gcs_store_semantics(fake_gcs):
             f.write(b"host-b")
     assert fs.cat_file(lock) == b"host-a"
 
-    assert sorted(p.name for p in run.iterdir()) == ["config.json", "lock", "old.jsonl"]  # listed (cached?) now
-    subprocess.run([sys.executable, "-c", f"from etils import epath; epath.Path('{fake_gcs}/run/other').write_text('x')"],
-                   check=True, timeout=60)
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "lock", "old.jsonl"]  # listed once here
+    write = f"from etils import epath; epath.Path('{fake_gcs}/run/other').write_text('x')"
+    subprocess.run([sys.executable, "-c", write], check=True, timeout=60)
     assert (run / "other").exists() and "other" in {p.name for p in run.iterdir()}
 
 
