@@ -35,8 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from onona_jax import cli
-from onona_jax.data import storage
+from onona_jax import cli, paths
 
 
 class CheckpointMismatch(ValueError):
@@ -192,9 +191,8 @@ def quiet():
 
 class Checkpoints:
     def __init__(self, directory, keep: int = 3, read_only: bool = False):
-        if storage.is_remote(directory):
-            storage.fresh_listings()  # see steps that other processes wrote
-            self.directory = epath.Path(directory)
+        if paths.is_cloud(directory):
+            self.directory = paths.path(directory)  # fresh listings: steps other processes wrote
         else:
             self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
@@ -357,7 +355,7 @@ class Checkpoints:
         src = self.directory / str(step)
         dst = self.directory / "corrupt" / f"{step}-{int(time.time())}"
         if jax.process_index() == 0 and src.exists():
-            if storage.is_remote(src):
+            if paths.is_cloud(src):
                 _move_objects(src, dst)
             else:
                 dst.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +398,7 @@ def _config(ckpts: Checkpoints, step: int):
 def saved_config(workdir: str, step: int | None = None):
     """The config saved with a run's checkpoint (the newest readable one unless `step`), no
     array read. Read-only: an unreadable step is skipped, never moved."""
-    ckpts = Checkpoints(epath.Path(workdir) / "checkpoints", read_only=True)
+    ckpts = Checkpoints(paths.join(workdir, "checkpoints"), read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
     restored = ckpts.restore_latest(None, step, read=lambda s: (_config(ckpts, s),))
@@ -421,7 +419,7 @@ def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devic
     (`Checkpoints.restore_params`)."""
     from onona_jax import models, sharding
 
-    ckpts = Checkpoints(epath.Path(workdir) / "checkpoints", read_only=True)
+    ckpts = Checkpoints(paths.join(workdir, "checkpoints"), read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
     grid = sharding.make_mesh(*mesh, devices)

@@ -30,7 +30,38 @@ def is_cloud(p) -> bool:
     return "://" in s and not s.startswith("file://")
 
 
+_FRESH = False
+
+
+def fresh_listings() -> None:
+    """Make gcsfs and s3fs (epath's `gs://` and `s3://` backends) list a bucket afresh each time
+    in this process. By default they keep every directory listing for the life of the process
+    and see only their own writes, so a checkpoint step, lock or shard written by another process
+    (another host, a resumed run, or TensorStore inside this one) stays invisible to `exists()`
+    and `iterdir()`. Our listings are few and small. A setting of the user's own (FSSPEC_GCS,
+    FSSPEC_S3 or fsspec's config files) is kept. Every cloud path of this module calls it first
+    (it also drops epath's cached filesystems, so a later call still takes effect)."""
+    global _FRESH
+    if _FRESH:
+        return
+    import fsspec.config
+
+    changed = False
+    for protocol in ("gcs", "s3"):
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        if "use_listings_cache" not in conf:
+            conf["use_listings_cache"], changed = False, True
+    if changed:
+        from etils.epath import backend
+
+        backend.fsspec_backend._get_filesystem.cache_clear()
+    _FRESH = True
+
+
 def path(p) -> epath.Path:
+    """An epath.Path; for a URL, with fresh listings (`fresh_listings`)."""
+    if is_cloud(p):
+        fresh_listings()
     return epath.Path(p)
 
 
@@ -45,38 +76,38 @@ def absolute(p) -> str:
 
 
 def exists(p) -> bool:
-    return epath.Path(p).exists()
+    return path(p).exists()
 
 
 def isdir(p) -> bool:
-    return epath.Path(p).is_dir()
+    return path(p).is_dir()
 
 
 def isfile(p) -> bool:
-    return epath.Path(p).is_file()
+    return path(p).is_file()
 
 
 def makedirs(p) -> None:
-    epath.Path(p).mkdir(parents=True, exist_ok=True)
+    path(p).mkdir(parents=True, exist_ok=True)
 
 
 def read_text(p) -> str:
-    return epath.Path(p).read_text()
+    return path(p).read_text()
 
 
 def read_bytes(p) -> bytes:
-    return epath.Path(p).read_bytes()
+    return path(p).read_bytes()
 
 
 def glob(p, pattern: str) -> list[str]:
-    d = epath.Path(p)
+    d = path(p)
     return sorted(os.fspath(x) for x in d.glob(pattern)) if d.is_dir() else []
 
 
 def remove(p) -> None:
     """Delete a file; a missing one is not an error."""
     try:
-        epath.Path(p).unlink()
+        path(p).unlink()
     except FileNotFoundError:
         pass
 
@@ -84,6 +115,7 @@ def remove(p) -> None:
 def _fs(p):
     import fsspec
 
+    fresh_listings()
     return fsspec.core.url_to_fs(os.fspath(p))
 
 

@@ -42,7 +42,7 @@ _ENV_BASE = {
     # gcsfs is imported.
     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
     # gcsfs: anonymous requests (no search for credentials). Its listing cache is left as the
-    # project sets it (`onona_jax.data.storage.fresh_listings`), so the tests see what users get.
+    # project sets it (`onona_jax.paths.fresh_listings`), so the tests see what users get.
     "FSSPEC_GCS": '{"token": "anon"}',
 }
 

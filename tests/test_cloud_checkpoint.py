@@ -14,7 +14,7 @@ import pytest
 from etils import epath
 
 from conftest import tiny_config
-from onona_jax import checkpoint
+from onona_jax import checkpoint, paths
 from onona_jax import train as trainer
 from onona_jax.checkpoint import Checkpoints
 from onona_jax.data import storage
@@ -37,8 +37,8 @@ def test_fake_gcs_store_semantics(fake_gcs, tiny_data):
     assert storage.verify_once(tiny_data, str(run)) is True
     assert storage.verify_once(tiny_data, str(run)) is False
     (run / "data_verified.json").unlink()
-    storage.write_whole(run / "config.json", '{"a": 1}')
-    storage.write_whole(run / "config.json", '{"a": 2}')  # replaced whole
+    paths.write_atomic(run / "config.json", '{"a": 1}')
+    paths.write_atomic(run / "config.json", '{"a": 2}')  # replaced whole
     assert json.loads((run / "config.json").read_text()) == {"a": 2}
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert sorted(p.name for p in run.glob("*.json*")) == ["config.json", "metrics.jsonl"]

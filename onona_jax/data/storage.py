@@ -26,51 +26,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from onona_jax import paths
+
 _COPY_CHUNK = 8 << 20  # bytes per read from the store: large requests, bounded memory
-
-
-def is_remote(path: str | os.PathLike) -> bool:
-    """True for URLs such as gs://bucket/dir; local paths (and file://) are read in place."""
-    s = os.fspath(path)
-    return "://" in s and not s.startswith("file://")
-
 
 def default_cache_dir() -> str:
     """Where remote data dirs are cached when `data.cache_dir` is empty."""
     return os.path.join(tempfile.gettempdir(), "onona-data-cache")
 
-
 def prepare_hint(data_dir) -> str:
     return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
 
-
-def fresh_listings() -> None:
-    """Make gcsfs and s3fs (epath's `gs://` and `s3://` backends) list a bucket afresh each time
-    in this process. By default they keep every directory listing for the life of the process
-    and see only their own writes, so a checkpoint step, lock or shard written by another process
-    (another host, a resumed run, or TensorStore inside this one) stays invisible to `exists()`
-    and `iterdir()`. Our listings are few and small. A setting of the user's own (FSSPEC_GCS,
-    FSSPEC_S3 or fsspec's config files) is kept. Call before the first remote path is touched
-    (it also drops epath's cached filesystems, so calling it later works too)."""
-    import fsspec.config
-
-    changed = False
-    for protocol in ("gcs", "s3"):
-        conf = fsspec.config.conf.setdefault(protocol, {})
-        if "use_listings_cache" not in conf:
-            conf["use_listings_cache"], changed = False, True
-    if changed:
-        from etils.epath import backend
-
-        backend.fsspec_backend._get_filesystem.cache_clear()
-
-
 def _epath(path):
-    from etils import epath  # imported here: local data needs none of it
-
-    fresh_listings()
-    return epath.Path(path)
-
+    return paths.path(path)
 
 def parse_manifest(raw: bytes, where: str, data_dir) -> dict:
     """The manifest's JSON, or a ValueError naming the file when it is truncated or not JSON."""
@@ -83,7 +51,6 @@ def parse_manifest(raw: bytes, where: str, data_dir) -> dict:
                          f"{prepare_hint(data_dir)} again") from None
     return manifest
 
-
 def read_remote_manifest(data_dir: str) -> tuple[bytes, dict]:
     path = _epath(data_dir) / "manifest.json"
     try:
@@ -93,19 +60,16 @@ def read_remote_manifest(data_dir: str) -> tuple[bytes, dict]:
                          "(prepare locally, then copy the directory to the bucket)") from None
     return raw, parse_manifest(raw, str(path), data_dir)
 
-
 def cache_path(data_dir: str, cache_dir: str | None) -> Path:
     """The cache directory of one remote data dir: readable name plus a hash of the full URL."""
     url = os.fspath(data_dir).rstrip("/")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[-1])[-80:]
     return Path(cache_dir or default_cache_dir()) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
 
-
 def _full_error(cache: Path, data_dir: str, need: int, free: int) -> ValueError:
     return ValueError(f"data cache {cache} has {free / 1e9:.2f} GB free but the shards of {data_dir} need "
                       f"{need / 1e9:.2f} GB more; free space there, or set --config.data.cache_dir to a local "
                       "disk with room")
-
 
 def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path) -> None:
     """Copy one shard to `dst` through a temp name, checking its size and sha256 against the manifest."""
@@ -135,7 +99,6 @@ def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path) -> N
                          f"{prepare_hint(data_dir)} and upload it)")
     os.replace(part, dst)
 
-
 def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[str],
                    cache_dir: str | None = None) -> Path:
     """A local directory holding the manifest and `splits`' shards of `data_dir`.
@@ -143,7 +106,7 @@ def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[s
     Local paths are returned as they are. A remote data dir's shards of `splits` are copied (once per
     host) into its cache dir and verified; an up-to-date cache is reused without reading the shards.
     """
-    if not is_remote(data_dir):
+    if not paths.is_cloud(data_dir):
         s = os.fspath(data_dir)
         return Path(s[len("file://"):] if s.startswith("file://") else s)
     data_dir = os.fspath(data_dir).rstrip("/")
@@ -166,7 +129,6 @@ def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[s
         _fill(cache, data_dir, manifest, splits)
     return cache
 
-
 def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
     shards = [s for split in splits for s in manifest["splits"].get(split, {}).get("shards", []) if s["tokens"] > 0]
     missing = []
@@ -186,20 +148,18 @@ def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
     for s in missing:
         _copy_verified(remote / s["file"], cache / s["file"], s, data_dir, cache)
 
-
 def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
     """Check every shard of a LOCAL data dir against the size and sha256 its manifest records,
     once per run directory: the result is kept in RECORD_DIR/data_verified.json (keyed by the
     manifest's own hash), so a resume with the same data reads no shard again. A shard that was
     replaced or damaged is a ValueError naming it and the fix. Returns whether it hashed.
     Remote data dirs are verified as they are copied (`local_data_dir`)."""
-    if is_remote(data_dir):
+    if paths.is_cloud(data_dir):
         return False
     d = Path(os.fspath(data_dir))
     raw = (d / "manifest.json").read_bytes()
     manifest = parse_manifest(raw, str(d / "manifest.json"), data_dir)
     key = hashlib.sha256(raw).hexdigest()
-    from onona_jax import paths
 
     record = paths.join(record_dir, "data_verified.json")  # the run's workdir: local or a bucket
     try:
