@@ -30,15 +30,15 @@ from onona_jax import paths
 
 _COPY_CHUNK = 8 << 20  # bytes per read from the store: large requests, bounded memory
 
+
 def default_cache_dir() -> str:
     """Where remote data dirs are cached when `data.cache_dir` is empty."""
     return os.path.join(tempfile.gettempdir(), "onona-data-cache")
 
+
 def prepare_hint(data_dir) -> str:
     return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
 
-def _epath(path):
-    return paths.path(path)
 
 def parse_manifest(raw: bytes, where: str, data_dir) -> dict:
     """The manifest's JSON, or a ValueError naming the file when it is truncated or not JSON."""
@@ -51,8 +51,9 @@ def parse_manifest(raw: bytes, where: str, data_dir) -> dict:
                          f"{prepare_hint(data_dir)} again") from None
     return manifest
 
+
 def read_remote_manifest(data_dir: str) -> tuple[bytes, dict]:
-    path = _epath(data_dir) / "manifest.json"
+    path = paths.path(data_dir) / "manifest.json"
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -60,16 +61,19 @@ def read_remote_manifest(data_dir: str) -> tuple[bytes, dict]:
                          "(prepare locally, then copy the directory to the bucket)") from None
     return raw, parse_manifest(raw, str(path), data_dir)
 
+
 def cache_path(data_dir: str, cache_dir: str | None) -> Path:
     """The cache directory of one remote data dir: readable name plus a hash of the full URL."""
     url = os.fspath(data_dir).rstrip("/")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[-1])[-80:]
     return Path(cache_dir or default_cache_dir()) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
 
+
 def _full_error(cache: Path, data_dir: str, need: int, free: int) -> ValueError:
     return ValueError(f"data cache {cache} has {free / 1e9:.2f} GB free but the shards of {data_dir} need "
                       f"{need / 1e9:.2f} GB more; free space there, or set --config.data.cache_dir to a local "
                       "disk with room")
+
 
 def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path) -> None:
     """Copy one shard to `dst` through a temp name, checking its size and sha256 against the manifest."""
@@ -98,6 +102,7 @@ def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path) -> N
                          "bucket copy is corrupt or was rewritten: upload the data dir again (or "
                          f"{prepare_hint(data_dir)} and upload it)")
     os.replace(part, dst)
+
 
 def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[str],
                    cache_dir: str | None = None) -> Path:
@@ -129,6 +134,7 @@ def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[s
         _fill(cache, data_dir, manifest, splits)
     return cache
 
+
 def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
     shards = [s for split in splits for s in manifest["splits"].get(split, {}).get("shards", []) if s["tokens"] > 0]
     missing = []
@@ -144,9 +150,10 @@ def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
     free = shutil.disk_usage(cache).free
     if need > free:
         raise _full_error(cache, data_dir, need, free)
-    remote = _epath(data_dir)
+    remote = paths.path(data_dir)
     for s in missing:
         _copy_verified(remote / s["file"], cache / s["file"], s, data_dir, cache)
+
 
 def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
     """Check every shard of a LOCAL data dir against the size and sha256 its manifest records,
@@ -160,7 +167,6 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
     raw = (d / "manifest.json").read_bytes()
     manifest = parse_manifest(raw, str(d / "manifest.json"), data_dir)
     key = hashlib.sha256(raw).hexdigest()
-
     record = paths.join(record_dir, "data_verified.json")  # the run's workdir: local or a bucket
     try:
         if json.loads(paths.read_text(record)).get("manifest_sha256") == key:
