@@ -13,7 +13,7 @@ aot() {  # name, args...
     > docs/aot/$name.txt 2> >(grep -v -e '^WARNING' -e '^E0000' -e 'Source Location' -e 'learning/' -e 'host bounds' >&2)
   echo "   exit $?" >&2
 }
-rows=${*:-dense-142m dense-142m-standard moe-142m gdn-142m attnres-142m dense-330m dense-1b moe-1b}
+rows=${*:-dense-142m dense-142m-standard moe-142m gdn-142m attnres-142m dense-330m moe-330m gdn-330m attnres-330m dense-1b moe-1b gdn-1b attnres-1b}
 for row in $rows; do
   case $row in
     dense-142m) aot dense-142m-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --compare_head=standard --fit ;;
@@ -22,12 +22,18 @@ for row in $rows; do
     dense-142m-standard) aot dense-142m-standard-v5e-16 --config=configs/paper.py:dense-142m-standard --topology=v5e-16 $FSDP --fit --noeval_step ;;
     moe-142m|gdn-142m|attnres-142m)
       aot ${row}-v5e-16 --config=configs/paper.py:${row}-twin --topology=v5e-16 $FSDP --compare_head=standard \
-        --config.train.micro_batch=4 --noeval_step ;;
+        --fit --noeval_step ;;
+    moe-330m|gdn-330m|attnres-330m)
+      aot ${row}-v5p-64 --config=configs/paper.py:${row}-twin --topology=v5p-64 $FSDP --compare_head=standard \
+        --fit --config.train.micro_batch=0 --noeval_step ;;
+    gdn-1b|attnres-1b)
+      aot ${row}-v5p-256 --config=configs/paper.py:${row}-twin --topology=v5p-256 $FSDP --compare_head=standard \
+        --fit --config.train.micro_batch=0 --noeval_step ;;
     # 330M: 256 rows over 32 replicas (8 each); 1B: 512 over 128 (4 each): the paper's micro-batches
     # 16 and 8 exceed a replica's rows there, so --fit starts from the whole replica batch.
     dense-330m) aot dense-330m-v5p-64 --config=configs/paper.py:dense-330m-twin --topology=v5p-64 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     dense-1b) aot dense-1b-v5p-256 --config=configs/paper.py:dense-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
-    moe-1b) aot moe-1b-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --config.train.micro_batch=0 --noeval_step ;;
+    moe-1b) aot moe-1b-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     # one 8-GPU H100 host, the README's recipe (pure data parallel, micro-batch 16 × 2); needs the gpu-aot extra
     dense-142m-h100) aot dense-142m-h100-8 --config=configs/paper.py:dense-142m-twin --topology=h100-8 --config.mesh.data=8 --compare_head=standard --noeval_step ;;
     *) echo "unknown row $row" >&2 ;;
