@@ -231,6 +231,8 @@ def _worker(conn, kind, head, job):
     """A variant in its own process: build, first two steps (their losses), `warmup` more,
     then serve "step" requests with the step's seconds until "stop"."""
     try:
+        if kind == "jax" and job["xla_flags"]:  # before jax is imported in this process
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + job["xla_flags"]).strip()
         if kind != "jax":
             import torch
 
@@ -334,7 +336,7 @@ def paired_rounds(workers: list, rounds: int, log) -> dict:
     return times
 
 
-def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log) -> dict:
+def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags="") -> dict:
     import numpy as np
 
     from onona_jax import summary
@@ -353,7 +355,8 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log) -> dict:
             cfg = cfgs[head]
             job = {"spec": spec, "overrides": overrides, "threads": threads, "tokens": tokens,
                    "warmup": warmup, "params_path": os.path.join(tmp.name, f"{head}.pkl"),
-                   "model": cfg.model.to_dict(), "train": cfg.train.to_dict(), "lrs": lrs, "adamw": adamw}
+                   "model": cfg.model.to_dict(), "train": cfg.train.to_dict(), "lrs": lrs, "adamw": adamw,
+                   "xla_flags": xla_flags}
             for kind in ("jax",) + tuple(k for k in kinds if k != "jax"):  # jax writes the weights first
                 w = Worker(ctx, kind, head, job)
                 workers.append(w)
@@ -397,7 +400,7 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log) -> dict:
     return {"shape": {"d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
                       "head_dim": m.head_dim, "d_ff": m.d_ff, "vocab_size": m.vocab_size, "batch": B, "seq_len": T,
                       "dtype": m.dtype, "loss": m.loss, "remat": m.remat},
-            "rounds": rounds, "warmup": warmup, "threads": threads, "adamw": adamw,
+            "rounds": rounds, "warmup": warmup, "threads": threads, "adamw": adamw, "xla_flags": xla_flags,
             "start_check": start, "rows": rows, "speed": speed, "twin/standard": twin}
 
 
@@ -433,6 +436,8 @@ def define(fv, argv):
     flags.DEFINE_list("kinds", list(KINDS), f"variants: {', '.join(KINDS)}", flag_values=fv)
     flags.DEFINE_enum("adamw", "fused", ["fused", "foreach", "default"],
                       "torch AdamW implementation (fused: the C++ kernel, fastest on CPU)", flag_values=fv)
+    flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS in the jax workers (investigation; the "
+                        "figures in the docs use none)", flag_values=fv)
     flags.DEFINE_string("output", "", "also write the figures as JSON here", flag_values=fv)
     return config_lib.define_flag(fv, argv, f"{CONFIGS}:dense-small-twin")
 
@@ -460,7 +465,7 @@ def _main(fv, rest, argv):
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     load_before = os.getloadavg()
-    res = measure(spec, overrides, heads, kinds, fv.rounds, fv.warmup, fv.adamw, log)
+    res = measure(spec, overrides, heads, kinds, fv.rounds, fv.warmup, fv.adamw, log, fv.xla_flags)
     import jax
     import torch
     import transformers
