@@ -231,6 +231,8 @@ def _worker(conn, kind, head, job):
     """A variant in its own process: build, first two steps (their losses), `warmup` more,
     then serve "step" requests with the step's seconds until "stop"."""
     try:
+        if kind == "jax":  # the torch peer runs on the CPU: so does jax (not a TPU/GPU plugin)
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if kind == "jax" and job["xla_flags"]:  # before jax is imported in this process
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + job["xla_flags"]).strip()
         if kind != "jax":
