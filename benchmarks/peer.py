@@ -55,6 +55,9 @@ from absl import flags
 
 from onona_jax import cli
 
+# The torch peer runs on the CPU, so jax does too (not an installed TPU/GPU plugin); set before
+# jax is imported here or in a worker (which imports this module first).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper.py"
 KINDS = ("jax", "torch_eager", "torch_compile")
 HEADS = ("standard", "twin")
@@ -231,8 +234,6 @@ def _worker(conn, kind, head, job):
     """A variant in its own process: build, first two steps (their losses), `warmup` more,
     then serve "step" requests with the step's seconds until "stop"."""
     try:
-        if kind == "jax":  # the torch peer runs on the CPU: so does jax (not a TPU/GPU plugin)
-            os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if kind == "jax" and job["xla_flags"]:  # before jax is imported in this process
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + job["xla_flags"]).strip()
         if kind != "jax":
