@@ -136,7 +136,9 @@ def schedule_values(cfg, n: int) -> list[float]:
     t = cfg.train
     total = optimizer.total_steps(cfg, state_lib.dense_standard_params(cfg))
     sched = optimizer.wsd(t.lr, t.final_lr, t.warmup_steps, total, t.decay_fraction)
-    return [float(sched(i)) for i in range(n)]
+    import jax.numpy as jnp
+
+    return [float(x) for x in sched(jnp.arange(n))]  # elementwise: one call for every step
 
 
 # ----------------------------------------------------------------------------- the torch side
