@@ -268,9 +268,7 @@ def _worker(conn, kind, head, job):
                 break
             conn.send(step()[1])
     except Exception as err:  # noqa: BLE001 - reported to the parent, which fails with it
-        import traceback
-
-        conn.send({"ok": False, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
+        conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
     finally:
         conn.close()
 
@@ -283,15 +281,21 @@ class Worker:
         self.proc.start()
         child.close()
 
+    def _recv(self):
+        try:
+            return self.conn.recv()
+        except EOFError:  # killed (out of memory?) or crashed outside Python
+            raise cli.Failure(f"the {self.name} worker died (exit code {self.proc.exitcode})") from None
+
     def ready(self) -> dict:
-        info = self.conn.recv()
+        info = self._recv()
         if not info["ok"]:
-            raise cli.Failure(f"{self.name} failed to start: {info['error']}\n{info['trace']}")
+            raise cli.Failure(f"{self.name} failed to start: {info['error']}")
         return info
 
     def step(self) -> float:
         self.conn.send("step")
-        return self.conn.recv()
+        return self._recv()
 
     def stop(self):
         try:
@@ -370,9 +374,8 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags
                     f"{infos[w.name]['first_steps_s']:.1f} s, loss {infos[w.name]['loss1']:.7f} "
                     f"then {infos[w.name]['loss2']:.7f}, {infos[w.name]['n_params']:,} parameters")
         start = check_start(infos, heads)
-        if "jax" not in kinds:
-            workers = [w for w in workers if not w.name.startswith("jax/")]
-        times = paired_rounds(workers, rounds, log)
+        timed = [w for w in workers if "jax" in kinds or not w.name.startswith("jax/")]  # jax always writes the weights
+        times = paired_rounds(timed, rounds, log)
     finally:
         for w in workers:
             w.stop()
