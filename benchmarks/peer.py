@@ -468,8 +468,15 @@ def _main(fv, rest, argv):
     overrides = config_lib.overridden(fv.config, argv)
     for h in heads:
         jax_config(spec, overrides, h)  # bad overrides fail here, before any process starts
-    if fv.output:
-        cli.probe_writable(os.path.dirname(os.path.abspath(fv.output)))
+    if fv.output:  # found now, not after minutes of compiling
+        directory = os.path.dirname(os.path.abspath(fv.output))
+        try:
+            cli.probe_writable(directory)
+        except OSError as err:
+            raise cli.UsageError(f"--output={fv.output}: cannot write to {directory} ({err.strerror or err}); "
+                                 "give a writable path") from None
+        if os.path.isdir(fv.output):
+            raise cli.UsageError(f"--output={fv.output} is a directory; give a file path, e.g. {fv.output}/peer.json")
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     load_before = os.getloadavg()
