@@ -18,7 +18,8 @@ Variants, per head (standard: the tied softmax; twin: the Figure 2 `TwinTables`)
   `torch.optim.AdamW` with our hyperparameters: the same lr schedule (optimizer.wsd, set per
   step), betas, eps, weight decay on exactly the parameters our mask decays, grad clip.
 * torch_compile  -- the same with the forward and loss under `torch.compile` (AOTAutograd
-  compiles the backward too; the optimizer is the fused C++ AdamW either way).
+  compiles the backward too). Both torch variants use `--adamw` (default: fused=True, the C++
+  kernel for CPU tensors).
 
 Every variant runs in its own process (built once, compiled, warmed up), which serves "one
 step, report its time" requests over a pipe; `OMP_WAIT_POLICY=PASSIVE` and torch threads =
@@ -443,7 +444,7 @@ def define(fv, argv):
     flags.DEFINE_list("heads", list(HEADS), "heads to compare: standard, twin", flag_values=fv)
     flags.DEFINE_list("kinds", list(KINDS), f"variants: {', '.join(KINDS)}", flag_values=fv)
     flags.DEFINE_enum("adamw", "fused", ["fused", "foreach", "default"],
-                      "torch AdamW implementation (fused: the C++ kernel, fastest on CPU)", flag_values=fv)
+                      "torch AdamW implementation (fused: the C++ kernel; foreach; default: torch's choice)", flag_values=fv)
     flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS in the jax workers (investigation; the "
                         "figures in the docs use none)", flag_values=fv)
     flags.DEFINE_string("output", "", "also write the figures as JSON here", flag_values=fv)
