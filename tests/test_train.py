@@ -72,6 +72,7 @@ def test_accumulation_equals_one_big_batch(tiny_data):
     assert max(jax.tree.leaves(jax.tree.map(lambda g: float(jnp.max(jnp.abs(g))), g1))) > 1e-3
 
 
+@pytest.mark.slow  # suite-time margin (cover: the scanned-equals-unscanned tests of test_moe, test_gdn, test_attnres)
 def test_scan_and_loop_train_identically(tiny_data):
     scan = tiny_config(tiny_data)
     loop = tiny_config(tiny_data)
