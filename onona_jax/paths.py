@@ -130,6 +130,7 @@ def write_atomic(p, data: str | bytes) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.tmp-", dir=directory)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from the run's readers
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
