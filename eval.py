@@ -16,7 +16,6 @@ metrics, sample count, and the data file's path and sha256).
 """
 
 import json
-import os
 import sys
 
 from absl import flags
@@ -82,24 +81,10 @@ def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data
     return result
 
 
-def check_output(path):
-    """`--output`'s directory must take a file: found now, not after the whole evaluation."""
-    if not path:
-        return
-    directory = os.fspath(paths.path(paths.absolute(path)).parent)
-    try:
-        cli.probe_writable(directory)
-    except OSError as err:
-        raise cli.UsageError(f"--output={path}: cannot write to {directory} ({err.strerror or err}); "
-                             "give a writable path") from None
-    if paths.isdir(path):
-        raise cli.UsageError(f"--output={path} is a directory; give a file path, e.g. {path}/eval.json")
-
-
 def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
-    check_output(fv.output)  # before the evaluation, not after it
+    cli.check_output_file(fv.output, "eval.json")  # before the evaluation, not after it
     result = evaluate(fv.workdir, fv.step, cli.mesh(fv), fv.tasks, parse_task_data(fv.task_data),
                       fv.task_data_dir, fv.task_batch, fv.max_length, fv.mmlu_shots, fv.limit)
     from onona_jax.eval import validation

@@ -41,7 +41,6 @@ ratio); and jax's twin/standard step-time ratio against the model FLOP ratio
 from __future__ import annotations
 
 import datetime
-import json
 import multiprocessing as mp
 import os
 import pickle
@@ -54,7 +53,7 @@ from pathlib import Path
 
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import cli, paths
 
 # The torch peer runs on the CPU, so jax does too (not an installed TPU/GPU plugin); set before
 # jax is imported here or in a worker (which imports this module first).
@@ -469,15 +468,7 @@ def _main(fv, rest, argv):
     overrides = config_lib.overridden(fv.config, argv)
     for h in heads:
         jax_config(spec, overrides, h)  # bad overrides fail here, before any process starts
-    if fv.output:  # found now, not after minutes of compiling
-        directory = os.path.dirname(os.path.abspath(fv.output))
-        try:
-            cli.probe_writable(directory)
-        except OSError as err:
-            raise cli.UsageError(f"--output={fv.output}: cannot write to {directory} ({err.strerror or err}); "
-                                 "give a writable path") from None
-        if os.path.isdir(fv.output):
-            raise cli.UsageError(f"--output={fv.output} is a directory; give a file path, e.g. {fv.output}/peer.json")
+    cli.check_output_file(fv.output, "peer.json")  # found now, not after minutes of compiling
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     load_before = os.getloadavg()
@@ -493,8 +484,7 @@ def _main(fv, rest, argv):
     print(format_result(res))
     print(f"load average (1/5/15 min) before {load_before}, after {res['machine']['load_after']}")
     if fv.output:
-        with open(fv.output, "w") as f:
-            json.dump(res, f, indent=2)
+        paths.write_json(fv.output, res)
         log(f"wrote {fv.output}")
 
 

@@ -51,6 +51,25 @@ def probe_writable(directory: str) -> None:
     paths.remove(probe)
 
 
+def check_output_file(path: str, example: str) -> None:
+    """An `--output=PATH` file (local or a bucket) must be writable: found before the work, not
+    after it. `example`: a file name for the hint when PATH is a directory."""
+    import os
+
+    from onona_jax import paths
+
+    if not path:
+        return
+    directory = os.fspath(paths.path(paths.absolute(path)).parent)
+    try:
+        probe_writable(directory)
+    except OSError as err:
+        raise UsageError(f"--output={path}: cannot write to {directory} ({err.strerror or err}); "
+                         "give a writable path") from None
+    if paths.isdir(path):
+        raise UsageError(f"--output={path} is a directory; give a file path, e.g. {path}/{example}")
+
+
 def define_mesh(fv, default: str = "-1,1,1"):
     """`--mesh=data,fsdp,tensor`: the mesh a command places a checkpoint on."""
     flags.DEFINE_list("mesh", default.split(","), "data,fsdp,tensor sizes of this run's mesh "
