@@ -52,12 +52,19 @@ def cli(tiny_data, tmp_path_factory):
 class TrainCLI:
     def __init__(self, data_dir, cache_dir):
         self.data_dir = data_dir
-        env = dict(os.environ)  # conftest's 8 fake devices off: one device, as mesh.data=1 says
+        self.cache_dir = cache_dir
+
+    @property
+    def env(self) -> dict:
+        """This process's environment as it is now (so a fixture's settings made after this
+        object, such as the fake GCS endpoint, reach the run), with conftest's 8 fake devices off
+        (one device, as mesh.data=1 says) and a compilation cache shared by every run."""
+        env = dict(os.environ)
         env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                     if not f.startswith("--xla_force_host_platform_device_count"))
-        env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+        env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(self.cache_dir),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-        self.env = env
+        return env
 
     def args(self, workdir, **extra):
         flags = {**OVERRIDES, "data.dir": self.data_dir, **{k.replace("__", "."): v for k, v in extra.items()}}
@@ -132,6 +139,23 @@ def wait_for(cond, p: subprocess.Popen, log: Path, what: str, timeout=TIMEOUT, p
         time.sleep(poll)
 
 
+def preempt_after_step_3(cli, workdir, log: Path, logged, poll=0.01, **extra) -> int:
+    """Start a run, SIGTERM it once `logged()` (its (step, loss) lines) reaches step 3; it must
+    exit 0 saying which step it saved, which is returned."""
+    p = cli.start(workdir, log, **extra)
+    try:
+        wait_for(lambda: any(s >= 3 for s, _ in logged()), p, log, "step 3 was logged", poll=poll)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=TIMEOUT)
+    finally:
+        stop(p)
+    out = log.read_text()
+    assert rc == 0, out[-3000:]
+    stopped = re.search(r"pre-empted: saved step (\d+); rerun the same command to resume", out)
+    assert stopped, f"the run finished before SIGTERM took effect (make the run longer):\n{out[-3000:]}"
+    return int(stopped[1])
+
+
 def expected_data_state(tiny_data, step: int) -> dict:
     n = pipeline.TokenStore(tiny_data, "train").num_windows(OVERRIDES["data.seq_len"])
     return {"step": step, "seed": 0, "seq_len": OVERRIDES["data.seq_len"],
@@ -166,19 +190,8 @@ def reference(cli, tmp_path_factory):
 
 
 def test_sigterm_then_rerun_is_bit_exact(cli, reference, tiny_data, tmp_path):
-    workdir, log = tmp_path / "run", tmp_path / "log1.txt"
-    p = cli.start(workdir, log)
-    try:
-        wait_for(lambda: any(s >= 3 for s, _ in losses(workdir)), p, log, "step 3 was logged")
-        p.send_signal(signal.SIGTERM)
-        rc = p.wait(timeout=TIMEOUT)
-    finally:
-        stop(p)
-    out = log.read_text()
-    assert rc == 0, out[-3000:]
-    stopped = re.search(r"pre-empted: saved step (\d+); rerun the same command to resume", out)
-    assert stopped, f"the run finished before SIGTERM took effect (make the run longer):\n{out[-3000:]}"
-    k = int(stopped[1])
+    workdir = tmp_path / "run"
+    k = preempt_after_step_3(cli, workdir, tmp_path / "log1.txt", lambda: losses(workdir))
     assert 3 <= k < STEPS
     assert k in checkpoint_steps(workdir) and max(checkpoint_steps(workdir)) == k
     assert data_state(workdir, k) == expected_data_state(tiny_data, k)  # batches 0..k-1 consumed
@@ -256,19 +269,7 @@ def test_bucket_workdir_and_data_sigterm_resume_eval(cli, reference, tiny_data, 
 
     cache = tmp_path / "cache"
     extra = dict(data__dir=data, data__cache_dir=cache)
-    log = tmp_path / "log1.txt"
-    p = cli.start(workdir, log, **extra)
-    try:
-        wait_for(lambda: any(s >= 3 for s, _ in bucket_losses()), p, log, "step 3 was logged", poll=0.1)
-        p.send_signal(signal.SIGTERM)
-        rc = p.wait(timeout=TIMEOUT)
-    finally:
-        stop(p)
-    out = log.read_text()
-    assert rc == 0, out[-3000:]
-    stopped = re.search(r"pre-empted: saved step (\d+); rerun the same command to resume", out)
-    assert stopped, f"the run finished before SIGTERM took effect:\n{out[-3000:]}"
-    k = int(stopped[1])
+    k = preempt_after_step_3(cli, workdir, tmp_path / "log1.txt", bucket_losses, poll=0.1, **extra)
     assert paths.exists(f"{workdir}/checkpoints/{k}/commit_success.txt") or paths.isdir(f"{workdir}/checkpoints/{k}")
     assert not paths.exists(f"{workdir}/lock.json")  # released on the way out
     assert sorted(f.name for f in cache.rglob("*.bin")) == sorted(
