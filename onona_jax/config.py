@@ -20,6 +20,7 @@ from onona_jax import models
 # The choices of model.arch and model.head come from the registries (one place each).
 ARCHS = tuple(models.FAMILIES)
 HEADS = tuple(heads_lib.HEADS)
+ATTENTION_IMPLS = (None, "xla", "cudnn", "blocked")
 
 
 def ffn_width(d: int) -> int:
@@ -48,7 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.dtype = "bfloat16"  # compute dtype; parameters and optimizer state stay fp32
     m.scan_layers = True
     m.remat = "none"  # none | dots | full
-    m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn
+    m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn | blocked (causal blocks; layers.py)
     m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
     m.loss_token_tile = loss_lib.DEFAULT_TOKEN_TILE  # tokens per tile (per device) of the fused loss (loss.py says why 256)
     m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
@@ -138,6 +139,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE")
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
     need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
+    need(m.attention_impl in ATTENTION_IMPLS,
+         f"model.attention_impl {m.attention_impl!r}: one of {ATTENTION_IMPLS} (None: XLA's attention)")
     need(m.loss in ("fused", "fused_vocab", "plain"), f"model.loss {m.loss!r}: fused, fused_vocab or plain")
     need(m.loss_token_tile > 0, f"model.loss_token_tile={m.loss_token_tile} must be positive")
     need(m.loss_chunk > 0, f"model.loss_chunk={m.loss_chunk} must be positive")

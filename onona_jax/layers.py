@@ -17,6 +17,8 @@ from onona_jax.params import param
 from onona_jax.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Query block of model.attention_impl="blocked" (docs/PERFORMANCE.md: measured on CPU).
+ATTENTION_BLOCK = 64
 
 REMAT_POLICIES = {
     "none": None,
@@ -51,6 +53,82 @@ def rope(x, positions, theta):
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def causal_attention(q, k, v, impl=None):
+    """Causal grouped-query attention: q [B, T, N, hd], k and v [B, T, n_kv, hd] → [B, T, N, hd].
+
+    impl None or "xla"/"cudnn": `jax.nn.dot_product_attention`. "blocked": queries in blocks of
+    `ATTENTION_BLOCK`, each against only the keys it can see (`blocked_causal_attention`)."""
+    if impl == "blocked":
+        return blocked_causal_attention(q, k, v, ATTENTION_BLOCK)
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl
+    )
+
+
+def blocked_causal_attention(q, k, v, block):
+    """Causal attention computed block by block: the queries of block i (positions
+    [i·block, (i+1)·block)) attend over keys [0, (i+1)·block) only, so the causally masked
+    upper blocks of the T × T square are never computed — (n+1)/2n of its FLOPs for n blocks,
+    in the forward and the backward pass. XLA:CPU's `dot_product_attention` computes the whole
+    square; torch's SDPA CPU kernel skips the masked blocks like this (docs/PERFORMANCE.md).
+    Only the diagonal block needs a mask. Same numerics as the XLA path: logits and softmax in
+    fp32, probabilities cast to v's dtype, scale head_dim^-½; the only difference is the
+    summation order of the key axis, and keys it drops carry exactly zero weight."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    scale = jnp.float32(1.0 / math.sqrt(H))
+    outs = []
+    for s in range(0, T, block):
+        e = min(s + block, T)
+        logits = jnp.einsum(
+            "btkgh,bskh->bkgts", qg[:, s:e], k[:, :e], preferred_element_type=jnp.float32
+        ) * scale
+        diag = jnp.arange(s, e)[:, None] >= jnp.arange(e)[None, :]  # [e−s, e]; True off the diagonal block
+        logits = jnp.where(diag, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkgts,bskh->btkgh", probs, v[:, :e]))
+    return jnp.concatenate(outs, axis=1).reshape(B, T, N, H)
+
+
+@jax.custom_vjp
+def swiglu_mlp(x, w_gate, w_up, w_down):
+    """The SwiGLU feed-forward down(silu(x·gate) ⊙ (x·up)); x [..., d] → [..., d].
+
+    Its backward pass is written out: it keeps x, g = x·gate and u = x·up, where autodiff of
+    silu keeps four [tokens, d_ff] arrays, and it forms the weight gradients as plain
+    x-contractions. Same values and gradients as autodiff (fp32: ~1e-6 relative); on XLA:CPU
+    the d 512 body's forward + backward takes 0.82 × autodiff's time (docs/PERFORMANCE.md)."""
+    return _swiglu_fwd(x, w_gate, w_up, w_down)[0]
+
+
+def _swiglu_fwd(x, w_gate, w_up, w_down):
+    g = constrain(x @ w_gate, ("batch", "seq", "act_mlp"))
+    u = constrain(x @ w_up, ("batch", "seq", "act_mlp"))
+    hid = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
+    return hid @ w_down, (x, w_gate, w_up, w_down, g, u)
+
+
+def _swiglu_bwd(res, dy):
+    x, w_gate, w_up, w_down, g, u = res
+    dt = x.dtype
+    g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
+    sg = jax.nn.sigmoid(g32)
+    hid = (g32 * sg * u32).astype(dt)
+    dhid = (dy @ w_down.T).astype(jnp.float32)
+    dg = (dhid * u32 * sg * (1.0 + g32 * (1.0 - sg))).astype(dt)  # d silu(g)/dg = σ(g)(1 + g(1 − σ(g)))
+    du = (dhid * g32 * sg).astype(dt)
+    return (
+        dg @ w_gate.T + du @ w_up.T,
+        jnp.einsum("...d,...f->df", x, dg),
+        jnp.einsum("...d,...f->df", x, du),
+        jnp.einsum("...f,...d->fd", hid, dy),
+    )
+
+
+swiglu_mlp.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def cached_attention(q, k, v, length, start):
@@ -116,9 +194,7 @@ class Attention(nnx.Module):
         dt = x.dtype
         q, k, v = self._qkv(x, positions)
         q = constrain(q, ("batch", "seq", "act_heads", None))
-        o = jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=self.impl
-        )
+        o = causal_attention(q, k, v, self.impl)
         return jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(dt))
 
     # -- incremental decoding (see Model.extend)
@@ -151,8 +227,5 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        g = x @ self.gate[...].astype(dt)
-        u = x @ self.up[...].astype(dt)
-        hid = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
-        return hid @ self.down[...].astype(dt)
+        return swiglu_mlp(x, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
 

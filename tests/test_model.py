@@ -77,6 +77,7 @@ def test_flops_formula_matches_xla_cost_analysis():
         ("n_kv_heads", 3, "not divisible by model.n_kv_heads"),
         ("n_heads", 5, "not divisible"),
         ("remat", "some", "model.remat"),
+        ("attention_impl", "flash", "model.attention_impl"),
     ],
 )
 def test_invalid_config_values(field, value, words):
