@@ -17,7 +17,7 @@ from onona_jax.params import param
 from onona_jax.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Query block of model.attention_impl="blocked" (docs/PERFORMANCE.md: measured on CPU).
+# Query block of model.attention_impl="blocked" (not tuned; docs/PERFORMANCE.md).
 ATTENTION_BLOCK = 64
 
 REMAT_POLICIES = {
@@ -72,7 +72,7 @@ def blocked_causal_attention(q, k, v, block):
     [i·block, (i+1)·block)) attend over keys [0, (i+1)·block) only, so the causally masked
     upper blocks of the T × T square are never computed — (n+1)/2n of its FLOPs for n blocks,
     in the forward and the backward pass. XLA:CPU's `dot_product_attention` computes the whole
-    square; torch's SDPA CPU kernel skips the masked blocks like this (docs/PERFORMANCE.md).
+    square (docs/PERFORMANCE.md measures both).
     Only the diagonal block needs a mask. Same numerics as the XLA path: logits and softmax in
     fp32, probabilities cast to v's dtype, scale head_dim^-½; the only difference is the
     summation order of the key axis, and keys it drops carry exactly zero weight."""
@@ -99,8 +99,8 @@ def swiglu_mlp(x, w_gate, w_up, w_down):
 
     Its backward pass is written out: it keeps x, g = x·gate and u = x·up, where autodiff of
     silu keeps four [tokens, d_ff] arrays, and it forms the weight gradients as plain
-    x-contractions. Same values and gradients as autodiff (fp32: ~1e-6 relative); on XLA:CPU
-    the d 512 body's forward + backward takes 0.82 × autodiff's time (docs/PERFORMANCE.md)."""
+    x-contractions. Same values and gradients as autodiff (fp32: ~1e-6 relative); faster on
+    XLA:CPU (docs/PERFORMANCE.md, "Later changes")."""
     return _swiglu_fwd(x, w_gate, w_up, w_down)[0]
 
 
