@@ -22,9 +22,9 @@ loss, the posteriors r_k = exp(lw_k + lp_k − log p) and
 all come from them, and two matmuls of ∂L/∂z_k give that tile's ∂h_k and its share of ∂T_k
 (accumulated over tiles). The backward pass only scales these by the scalar cotangent of
 the loss, so training costs the plain loss's FLOPs (forward 2·V·d, ∂h 2·V·d, ∂T 2·V·d per
-token and component) with no recompute, and the largest temporary is one [token tile, V /
-shards] fp32 tile per component. Every reduction is fp32; matmul operands are in hs's dtype
-(the config's compute dtype) with fp32 accumulation.
+token and component) with no recompute, and the largest temporaries are [token tile, V /
+shards] fp32 tiles (logits and their exp) of one component at a time. Every reduction is
+fp32; matmul operands are in hs's dtype (the config's compute dtype) with fp32 accumulation.
 
 `layout` = (mesh, batch mesh axes, vocab mesh axis or None) runs the forward pass as one
 `jax.shard_map`: tokens split over the batch axes, table rows over the vocab axis; the
@@ -121,7 +121,7 @@ def plain_mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, 
 
 def _tile_stats(hs, tables, lw, y, score, vocab):
     """One token tile on one shard: log p [T], the per-component pieces the gradient needs
-    (h_k, T_k, scores s_k, s'(z_k), lse_k), the posteriors and the target's local row."""
+    (h_k, T_k, e_k = exp(s_k − max), s'(z_k), Σe_k), the posteriors and the target's local row."""
     K = hs.shape[1]
     V_local = tables[0].shape[0]
     offset = 0 if vocab is None else jax.lax.axis_index(vocab) * V_local
@@ -136,13 +136,15 @@ def _tile_stats(hs, tables, lw, y, score, vocab):
         m = jnp.max(s, axis=-1)
         if vocab is not None:
             m = jax.lax.pmax(m, vocab)
-        se = jnp.sum(jnp.exp(s - m[:, None]), axis=-1)
+        # exp(s − m) once, as its own array: the gradient reuses it (p = e / Σe), and
+        # XLA:CPU otherwise fused the exp into a slow reduction (~60 ms a 256 × 50,304 tile).
+        e = jax.lax.optimization_barrier(jnp.exp(s - m[:, None]))
+        se = jnp.sum(e, axis=-1)
         st = jnp.where(owned, jnp.take_along_axis(s, idx[:, None], axis=-1)[:, 0], 0.0)
         if vocab is not None:
             se, st = jax.lax.psum((se, st), vocab)
-        lse = m + jnp.log(se)
-        lps.append(st - lse)
-        comps.append((h, T, s, ds, lse))
+        lps.append(st - m - jnp.log(se))
+        comps.append((h, T, e, ds, se))
     lps = jnp.stack(lps, axis=1)  # [T, K]
     if lw is None:
         logp = lps[:, 0]
@@ -159,9 +161,9 @@ def _tile_grads(comps, r, w, idx, owned, shared_h):
     tile, where L = Σ_t w_t·(−log p_t); and ∂L/∂lw = −w r."""
     c = -w[:, None] * r  # ∂L/∂lp_k
     dhs, dTs = [], []
-    for k, (h, T, s, ds, lse) in enumerate(comps):
-        p = jnp.exp(s - lse[:, None])
-        onehot = (jnp.arange(s.shape[1])[None, :] == idx[:, None]) & owned[:, None]
+    for k, (h, T, e, ds, se) in enumerate(comps):
+        p = e * (1.0 / se)[:, None]
+        onehot = (jnp.arange(e.shape[1])[None, :] == idx[:, None]) & owned[:, None]
         dz = c[:, k, None] * (onehot.astype(F32) - p)
         if ds is not None:
             dz = dz * ds
@@ -199,11 +201,17 @@ def _shard(hs, tables, lw, y, w, score, tile, vocab, batch, grads):
         dh, dTs, c = _tile_grads(comps, r, w_t, idx, owned, shared_h)
         if len(tables_c) == 1:  # one table shared by every component: its gradients add
             dTs = [functools.reduce(jnp.add, dTs)]
-        dT_acc = tuple(a + g for a, g in zip(dT_acc, dTs))
+        dT_acc = tuple(dTs) if dT_acc is None else tuple(a + g for a, g in zip(dT_acc, dTs))
         return dT_acc, (logp, dh, None if lw is None else c)
 
-    init = tuple(jnp.zeros(T.shape, F32) for T in tables) if grads else ()
-    dT, out = jax.lax.scan(body, init, xs)
+    if grads:  # the first tile starts the ∂T sums: no zero-filled [V, d] buffer, one add fewer
+        dT, out0 = body(None, jax.tree.map(lambda a: a[0], xs))
+        out = jax.tree.map(lambda a: a[None], out0)
+        if n_tiles > 1:
+            dT, rest = jax.lax.scan(body, dT, jax.tree.map(lambda a: a[1:], xs))
+            out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, rest)
+    else:
+        dT, out = jax.lax.scan(body, (), xs)
     unpad = lambda x: x.reshape(n_tiles * t, *x.shape[2:])[:n]  # noqa: E731
     logp = unpad(out[0])
     loss = -jnp.sum(w * logp)
@@ -222,7 +230,7 @@ def _shard(hs, tables, lw, y, w, score, tile, vocab, batch, grads):
 
 def _run(hs, tables, lw, y, w, score, tile, layout, grads):
     """`_shard` on plain arrays, or as one shard_map over `layout`. hs is [N, K', d]."""
-    if layout is None:
+    if layout is None or layout[0].size == 1:  # one device: no collectives to run
         return _shard(hs, tables, lw, y, w, score, tile, None, None, grads)
     mesh, batch, vocab = layout
     P = jax.sharding.PartitionSpec

@@ -1,0 +1,82 @@
+"""Two checkouts of onona-jax against each other: paired train-step rounds, one process each.
+
+    git worktree add /tmp/base HEAD        # the code before your change
+    flock /tmp/onona-heavy.lock python benchmarks/code_ab.py --base=/tmp/base --rounds=10 \
+        --head=standard --set=model.d_model=512,model.n_layers=8,...
+
+`benchmarks/step_ab.py` compares config variants of one checkout; this compares code. Each side
+is compiled by its own checkout's `benchmarks/peer.py` (`jax_side`: one device, the whole batch
+a step) in a spawned process, from the same seed and batch; the first-step losses must agree
+to 1e-5 relative. Round r runs one step of each side, the order alternating. Prints the
+medians and the median over rounds of this checkout's time / the base's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+
+from absl import app, flags
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+flags.DEFINE_string("base", None, "root of the other checkout (e.g. a git worktree of HEAD)", required=True)
+flags.DEFINE_string("config", "configs/paper.py:dense-small-standard", "config spec, relative to each checkout")
+flags.DEFINE_string("head", "standard", "model.head")
+flags.DEFINE_list("set", [], "key=value overrides for both sides")
+flags.DEFINE_integer("rounds", 10, "paired rounds")
+FLAGS = flags.FLAGS
+
+
+def _worker(root, spec, overrides, head, conn):
+    sys.path[:0] = [root, os.path.join(root, "benchmarks")]
+    import numpy as np
+    import peer  # this checkout's
+
+    cfg = peer.jax_config(os.path.join(root, spec), overrides, head)
+    step = peer.jax_side(cfg)[3]
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1))
+    loss = step(tokens)[0]
+    for _ in range(3):  # warm-up
+        step()
+    conn.send(loss)
+    while conn.recv():
+        conn.send(step()[1])
+
+
+def main(argv):
+    del argv
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    from step_ab import overrides
+
+    extra = overrides(FLAGS.set)
+    ctx = mp.get_context("spawn")
+    sides, first = {}, {}
+    for name, root in (("base", os.path.abspath(FLAGS.base)), ("this", HERE)):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(root, FLAGS.config, extra, FLAGS.head, theirs))
+        proc.start()
+        sides[name] = (proc, ours)
+        first[name] = ours.recv()
+        print(f"{name} ({root}): first-step loss {first[name]:.7f}", flush=True)
+    if abs(first["this"] - first["base"]) > 1e-5 * abs(first["base"]):
+        for proc, conn in sides.values():
+            conn.send(False)
+        raise SystemExit(f"first-step losses differ ({first}): the two checkouts do not compute the same step")
+    times = {n: [] for n in sides}
+    order = list(sides)
+    for r in range(FLAGS.rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            sides[name][1].send(True)
+            times[name].append(sides[name][1].recv())
+    for proc, conn in sides.values():
+        conn.send(False)
+        proc.join()
+    for name, ts in times.items():
+        print(f"{name}: median step {statistics.median(ts):.3f} s")
+    print(f"this / base, paired: {statistics.median(b / a for a, b in zip(times['base'], times['this'])):.3f}")
+
+
+if __name__ == "__main__":
+    app.run(main)

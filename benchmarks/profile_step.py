@@ -1,0 +1,72 @@
+"""Where a train step's time goes on this machine: per-XLA-op times from `jax.profiler`.
+
+    flock /tmp/onona-heavy.lock python benchmarks/profile_step.py --head=standard \
+        --set=model.d_model=512,model.n_layers=8,model.n_heads=8,model.n_kv_heads=4,model.head_dim=64,model.d_ff=1408,train.global_batch=4,data.seq_len=256
+
+Compiles the step as `benchmarks/peer.py` does (one device, the whole batch a step), traces
+`--steps` steps and prints the `--top` ops by time per step, each with its output shape and
+the JAX operation it came from (from the optimized HLO, dumped to a temporary directory).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+from absl import app, flags
+
+DUMP = tempfile.mkdtemp(prefix="onona-hlo-")
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP} --xla_dump_hlo_pass_re=NONE"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax is imported)
+from step_ab import overrides  # noqa: E402
+
+flags.DEFINE_string("config", f"{peer.CONFIGS}:dense-small-standard", "config spec")
+flags.DEFINE_string("head", "standard", "model.head")
+flags.DEFINE_list("set", [], "key=value overrides")
+flags.DEFINE_integer("steps", 3, "traced steps")
+flags.DEFINE_integer("top", 40, "ops to print")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    import jax
+    import numpy as np
+
+    cfg = peer.jax_config(FLAGS.config, overrides(FLAGS.set), FLAGS.head)
+    step = peer.jax_side(cfg)[3]
+    step(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1)))
+    times = sorted(step()[1] for _ in range(5))
+    print(f"median untraced step {times[2]:.3f} s")
+    trace_dir = tempfile.mkdtemp(prefix="onona-trace-")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(FLAGS.steps):
+            step()
+    events = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))["traceEvents"]
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            total[e["name"]] += e["dur"] / 1e3 / FLAGS.steps
+            count[e["name"]] += 1
+    hlo = "".join(open(f).read() for f in glob.glob(f"{DUMP}/*jit_step.cpu_after_optimizations.txt"))
+    print(f"{'ms/step':>8} {'calls':>5}  op  shape  source")
+    shown = 0
+    for name, ms in total.most_common():
+        m = re.search(r"^\s*(?:ROOT )?%" + re.escape(name) + r" = (\S+) \w+\(.*?op_name=\"([^\"]*)\"", hlo, re.M)
+        if not m:  # executor bookkeeping and Python frames, not XLA ops
+            continue
+        print(f"{ms:8.2f} {count[name] // FLAGS.steps:5d}  {name}  {m.group(1)}  {m.group(2)}")
+        shown += 1
+        if shown == FLAGS.top:
+            break
+
+
+if __name__ == "__main__":
+    app.run(main)
