@@ -48,9 +48,9 @@ def _worker(root, spec, overrides, head, conn):
 def main(argv):
     del argv
     sys.path.insert(0, os.path.join(HERE, "benchmarks"))
-    from step_ab import overrides
+    import peer  # this checkout's, for its --set parser
 
-    extra = overrides(FLAGS.set)
+    extra = peer.overrides(FLAGS.set)
     ctx = mp.get_context("spawn")
     sides, first = {}, {}
     for name, root in (("base", os.path.abspath(FLAGS.base)), ("this", HERE)):

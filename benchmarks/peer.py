@@ -40,6 +40,7 @@ ratio); and jax's twin/standard step-time ratio against the model FLOP ratio
 
 from __future__ import annotations
 
+import ast
 import datetime
 import multiprocessing as mp
 import os
@@ -73,6 +74,20 @@ STEP2_RTOL = 1e-3
 
 def variant(kind: str, head: str) -> str:
     return f"{kind}/{head}"
+
+
+def overrides(items) -> dict:
+    """`key=value` strings as a dict; values parsed as Python literals where they parse."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r}: expected key=value")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
 
 
 # ----------------------------------------------------------------------------- the jax side

@@ -25,7 +25,6 @@ DUMP = tempfile.mkdtemp(prefix="onona-hlo-")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP} --xla_dump_hlo_pass_re=NONE"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax is imported)
-from step_ab import overrides  # noqa: E402
 
 flags.DEFINE_string("config", f"{peer.CONFIGS}:dense-small-standard", "config spec")
 flags.DEFINE_string("head", "standard", "model.head")
@@ -40,7 +39,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    cfg = peer.jax_config(FLAGS.config, overrides(FLAGS.set), FLAGS.head)
+    cfg = peer.jax_config(FLAGS.config, peer.overrides(FLAGS.set), FLAGS.head)
     step = peer.jax_side(cfg)[3]
     step(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1)))
     times = sorted(step()[1] for _ in range(5))

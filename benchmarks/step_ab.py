@@ -14,7 +14,6 @@ median over rounds of its time / the base's time in the same round.
 
 from __future__ import annotations
 
-import ast
 import os
 import statistics
 import sys
@@ -32,27 +31,14 @@ flags.DEFINE_integer("rounds", 10, "paired rounds")
 FLAGS = flags.FLAGS
 
 
-def overrides(items) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise app.UsageError(f"{item!r}: expected key=value")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
-
-
 def main(argv):
     import numpy as np
 
     from onona_jax import config as config_lib
 
     base_head = config_lib.load(FLAGS.base).model.head
-    common = overrides(FLAGS.set)
-    specs = [("base", {})] + [(v, overrides(v.split(","))) for v in FLAGS.variant]
+    common = peer.overrides(FLAGS.set)
+    specs = [("base", {})] + [(v, peer.overrides(v.split(","))) for v in FLAGS.variant]
     steps, first = {}, None
     for name, extra in specs:
         merged = {**common, **extra}
