@@ -7,7 +7,7 @@
 `benchmarks/step_ab.py` compares config variants of one checkout; this compares code. Each side
 is compiled by its own checkout's `benchmarks/peer.py` (`jax_side`: one device, the whole batch
 a step) in a spawned process, from the same seed and batch; the first-step losses must agree
-to 1e-5 relative. Round r runs one step of each side, the order alternating. Prints the
+to 1e-5 relative. Round r runs one step of each side, the order alternating (`peer.paired_rounds`). Prints the
 medians and the median over rounds of this checkout's time / the base's.
 """
 
@@ -45,15 +45,30 @@ def _worker(root, spec, overrides, head, conn):
         conn.send(step()[1])
 
 
+class _Side:
+    """A spawned `_worker` as `peer.paired_rounds` drives it."""
+
+    def __init__(self, name, conn):
+        self.name, self.conn = name, conn
+
+    def step(self) -> float:
+        self.conn.send(True)
+        return self.conn.recv()
+
+
 def main(argv):
     del argv
     sys.path.insert(0, os.path.join(HERE, "benchmarks"))
     import peer  # this checkout's, for its --set parser
 
+    base = os.path.abspath(FLAGS.base)
+    if not os.path.isfile(os.path.join(base, "benchmarks", "peer.py")):
+        raise SystemExit(f"error: --base={FLAGS.base} is not an onona-jax checkout (no benchmarks/peer.py); "
+                         "make one with `git worktree add /tmp/base HEAD`")
     extra = peer.overrides(FLAGS.set)
     ctx = mp.get_context("spawn")
     sides, first = {}, {}
-    for name, root in (("base", os.path.abspath(FLAGS.base)), ("this", HERE)):
+    for name, root in (("base", base), ("this", HERE)):
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(root, FLAGS.config, extra, FLAGS.head, theirs))
         proc.start()
@@ -63,13 +78,9 @@ def main(argv):
     if abs(first["this"] - first["base"]) > 1e-5 * abs(first["base"]):
         for proc, conn in sides.values():
             conn.send(False)
-        raise SystemExit(f"first-step losses differ ({first}): the two checkouts do not compute the same step")
-    times = {n: [] for n in sides}
-    order = list(sides)
-    for r in range(FLAGS.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            sides[name][1].send(True)
-            times[name].append(sides[name][1].recv())
+        raise SystemExit(f"error: first-step losses differ ({first}): the two checkouts do not compute the same "
+                         "step; compare a change that keeps the step's values, or fix the one that changed them")
+    times = peer.paired_rounds([_Side(name, conn) for name, (_, conn) in sides.items()], FLAGS.rounds, print)
     for proc, conn in sides.values():
         conn.send(False)
         proc.join()

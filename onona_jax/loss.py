@@ -230,7 +230,7 @@ def _shard(hs, tables, lw, y, w, score, tile, vocab, batch, grads):
 
 def _run(hs, tables, lw, y, w, score, tile, layout, grads):
     """`_shard` on plain arrays, or as one shard_map over `layout`. hs is [N, K', d]."""
-    if layout is None or layout[0].size == 1:  # one device: no collectives to run
+    if layout is None:
         return _shard(hs, tables, lw, y, w, score, tile, None, None, grads)
     mesh, batch, vocab = layout
     P = jax.sharding.PartitionSpec

@@ -117,7 +117,9 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules=RULES) -> NamedSharding:
 def loss_layout(mesh: Mesh, rules=RULES):
     """(mesh, batch axes, vocab axis or None) for `loss.target_log_probs`: each device streams
     its shard of the vocabulary (the `vocab` rule's axis, when it has more than one device)
-    for its rows of the batch."""
+    for its rows of the batch. None on a one-device mesh: there are no collectives to run."""
+    if mesh.size == 1:
+        return None
     vocab = logical_to_mesh(P("vocab"), rules)[0]
     vocab_axes = (vocab,) if isinstance(vocab, str) else tuple(vocab or ())
     if math.prod(mesh.shape[a] for a in vocab_axes) <= 1:
