@@ -22,10 +22,12 @@ Variants, per head (standard: the tied softmax; twin: the Figure 2 `TwinTables`)
   kernel for CPU tensors).
 
 Every variant runs in its own process (built once, compiled, warmed up), which serves "one
-step, report its time" requests over a pipe; `OMP_WAIT_POLICY=PASSIVE` and torch threads =
-the cores this process may use. The jax worker initialises the parameters (`train.init_state`,
-`cfg.seed`) and hands them to the torch workers, which load them through
-`serve.convert.to_hf_state_dict` (`TwinQwen3.load_from_jax`). Before any timing, every
+step, report its time" requests over a pipe; `OMP_WAIT_POLICY=PASSIVE`, torch threads =
+the cores this process may use; with `--keep_freed_memory`, glibc keeps what each worker
+frees (`keep_freed_memory` says why; off by default, as users run both frameworks). The jax
+worker initialises the parameters (`train.init_state`, `cfg.seed`) and hands them to the
+torch workers, which load them through `serve.convert.to_hf_state_dict`
+(`TwinQwen3.load_from_jax`). Before any timing, every
 variant's first-step loss (the same batch, the same weights) must equal jax's to
 `LOSS_RTOL`, the parameter counts must be equal, and the second-step loss (after one
 optimizer update) must agree to `STEP2_RTOL`; otherwise the run fails (exit 1).
@@ -70,6 +72,37 @@ LOSS_RTOL = 1e-5
 # gradient is within rounding of zero may move by ±lr in one framework and not in the other;
 # the loss difference stays well inside this.
 STEP2_RTOL = 1e-3
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep the memory this process frees, for its next allocation; True if set.
+    Call it before jax or torch starts its threads.
+
+    Both frameworks allocate a step's large temporaries afresh at every step (XLA:CPU one
+    0.9 GB buffer at d 512; torch each [tokens, V] tensor) and free them after. glibc serves an
+    allocation that large with a fresh mmap (from a worker thread's arena whatever
+    M_MMAP_MAX says) and unmaps it on free, so every step faults its temporaries in again page
+    by page (220,796 minor faults a step for our d 512 step), and that costs more right after
+    the other framework's process ran: our step took 2.0 s after one of its own and 2.5 s after
+    torch's (docs/PERFORMANCE.md). One arena, no mmap and no trimming keep the memory for the
+    next step, so a variant's time is its computation, not its allocator's page faults nor the
+    order of the rounds. The cost, which is why train.py does not do this: the heap fragments
+    and the process keeps its peak (peak RSS 4.44 GiB instead of 2.03 GiB for that step,
+    `profile_step.py`)."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    # -1 as glibc's size_t trim threshold: never trim
+    return all([mallopt(_M_ARENA_MAX, 1) == 1, mallopt(_M_MMAP_MAX, 0) == 1, mallopt(_M_TRIM_THRESHOLD, -1) == 1])
 
 
 def variant(kind: str, head: str) -> str:
@@ -257,6 +290,8 @@ def _worker(conn, kind, head, job):
             import torch
 
             torch.set_num_threads(job["threads"])
+        if job["keep_freed_memory"]:
+            keep_freed_memory()
         t0 = time.perf_counter()
         if kind == "jax":
             cfg = jax_config(job["spec"], job["overrides"], head)
@@ -360,7 +395,7 @@ def paired_rounds(workers: list, rounds: int, log) -> dict:
     return times
 
 
-def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags="") -> dict:
+def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags="", keep_memory=False) -> dict:
     import numpy as np
 
     from onona_jax import summary
@@ -380,7 +415,7 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags
             job = {"spec": spec, "overrides": overrides, "threads": threads, "tokens": tokens,
                    "warmup": warmup, "params_path": os.path.join(tmp.name, f"{head}.pkl"),
                    "model": cfg.model.to_dict(), "train": cfg.train.to_dict(), "lrs": lrs, "adamw": adamw,
-                   "xla_flags": xla_flags}
+                   "xla_flags": xla_flags, "keep_freed_memory": keep_memory}
             for kind in ("jax",) + tuple(k for k in kinds if k != "jax"):  # jax writes the weights first
                 w = Worker(ctx, kind, head, job)
                 workers.append(w)
@@ -424,6 +459,7 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags
                       "head_dim": m.head_dim, "d_ff": m.d_ff, "vocab_size": m.vocab_size, "batch": B, "seq_len": T,
                       "dtype": m.dtype, "loss": m.loss, "remat": m.remat},
             "rounds": rounds, "warmup": warmup, "threads": threads, "adamw": adamw, "xla_flags": xla_flags,
+            "keep_freed_memory": keep_memory,
             "start_check": start, "rows": rows, "speed": speed, "twin/standard": twin}
 
 
@@ -461,6 +497,8 @@ def define(fv, argv):
                       "torch AdamW implementation (fused: the C++ kernel; foreach; default: torch's choice)", flag_values=fv)
     flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS in the jax workers (investigation; the "
                         "figures in the docs use none)", flag_values=fv)
+    flags.DEFINE_bool("keep_freed_memory", False, "every worker keeps the memory it frees (`keep_freed_memory`: "
+                      "no page faults for a step's temporaries; the figures in the docs say which)", flag_values=fv)
     flags.DEFINE_string("output", "", "also write the figures as JSON here", flag_values=fv)
     return config_lib.define_flag(fv, argv, f"{CONFIGS}:dense-small-twin")
 
@@ -487,7 +525,7 @@ def _main(fv, rest, argv):
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     load_before = os.getloadavg()
-    res = measure(spec, overrides, heads, kinds, fv.rounds, fv.warmup, fv.adamw, log, fv.xla_flags)
+    res = measure(spec, overrides, heads, kinds, fv.rounds, fv.warmup, fv.adamw, log, fv.xla_flags, fv.keep_freed_memory)
     import jax
     import torch
     import transformers

@@ -3,9 +3,11 @@
     flock /tmp/onona-heavy.lock python benchmarks/profile_step.py --head=standard \
         --set=model.d_model=512,model.n_layers=8,model.n_heads=8,model.n_kv_heads=4,model.head_dim=64,model.d_ff=1408,train.global_batch=4,data.seq_len=256
 
-Compiles the step as `benchmarks/peer.py` does (one device, the whole batch a step), traces
-`--steps` steps and prints the `--top` ops by time per step, each with its output shape and
-the JAX operation it came from (from the optimized HLO, dumped to a temporary directory).
+Compiles the step as `benchmarks/peer.py` does (one device, the whole batch a step), runs
+`--untraced` steps (their median time, minor page faults a step and the process's peak RSS,
+with or without `peer.keep_freed_memory`), traces `--steps` steps and prints the `--top` ops
+by time per step, each with its output shape and the JAX operation it came from (from the
+optimized HLO, dumped to a temporary directory).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import gzip
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 
@@ -31,19 +34,32 @@ flags.DEFINE_string("head", "standard", "model.head")
 flags.DEFINE_list("set", [], "key=value overrides")
 flags.DEFINE_integer("steps", 3, "traced steps")
 flags.DEFINE_integer("top", 40, "ops to print")
+flags.DEFINE_integer("untraced", 20, "untraced steps first (their times, page faults and the peak RSS)")
+flags.DEFINE_bool("keep_freed_memory", False, "peer.keep_freed_memory() first (default: as train.py runs)")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
+    import resource
+
     import jax
     import numpy as np
 
+    if FLAGS.keep_freed_memory:
+        peer.keep_freed_memory()
     cfg = peer.jax_config(FLAGS.config, peer.overrides(FLAGS.set), FLAGS.head)
     step = peer.jax_side(cfg)[3]
     step(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1)))
-    times = sorted(step()[1] for _ in range(5))
-    print(f"median untraced step {times[2]:.3f} s")
+    times, faults = [], []
+    for _ in range(FLAGS.untraced):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        times.append(step()[1])
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"{FLAGS.untraced} untraced steps: median {statistics.median(times):.3f} s; minor page faults a step: "
+          f"median {statistics.median(faults):,.0f}, max {max(faults):,}; peak RSS {rss:.2f} GiB "
+          f"(keep_freed_memory={FLAGS.keep_freed_memory})")
     trace_dir = tempfile.mkdtemp(prefix="onona-trace-")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(FLAGS.steps):

@@ -36,6 +36,8 @@ def main(argv):
 
     from onona_jax import config as config_lib
 
+    peer.keep_freed_memory()  # as peer.py's workers do
+
     base_head = config_lib.load(FLAGS.base).model.head
     common = peer.overrides(FLAGS.set)
     specs = [("base", {})] + [(v, peer.overrides(v.split(","))) for v in FLAGS.variant]

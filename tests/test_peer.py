@@ -1,9 +1,12 @@
 """benchmarks/peer.py's starting point: onona-jax's train step and the paper's PyTorch code path
 (HF Qwen3 + the tied softmax or Figure 2's TwinTables, torch AdamW) from the same weights and
-batch give the same losses. The timing itself is the benchmark's, not a test's."""
+batch give the same losses; its workers' allocator setting works; benchmarks/gemm_floor.py
+lists exactly the step's matrix multiplies. The timing itself is the benchmarks', not a test's."""
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -46,3 +49,72 @@ def test_first_steps_match_pytorch_peer(head):
     # Later steps also pass through one or two AdamW updates; measured agreement ~1e-7.
     np.testing.assert_allclose(theirs[1:], ours[1:], rtol=1e-5)
     assert ours[2] < ours[0] - 0.01  # the updates are real: the loss moved
+
+
+gspec = importlib.util.spec_from_file_location("onona_gemm_floor", os.path.join(REPO, "benchmarks", "gemm_floor.py"))
+gemm_floor = importlib.util.module_from_spec(gspec)
+gspec.loader.exec_module(gemm_floor)
+
+
+@pytest.mark.parametrize("head", ["standard", "twin"])
+def test_gemm_floor_lists_every_matmul_of_the_step(head):
+    # benchmarks/gemm_floor.py's list covers the step's matmul FLOPs exactly (summary's count,
+    # less the attention core and the gate's dot, which it leaves out), on both sides, and its
+    # two layouts compute the same products as PyTorch's Linear autograd.
+    from onona_jax import summary
+
+    cfg = peer.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin",
+                          {"model.loss_token_tile": 48, "train.global_batch": 3}, head)
+    m, n = cfg.model, cfg.train.global_batch * cfg.data.seq_len
+    f = summary.flops_per_token(m, cfg.data.seq_len)
+    expect = 3 * n * (f["body_matmul"] + 2 * summary.output_projections(m) * m.vocab_size * m.d_model)
+    specs = gemm_floor.gemms(cfg, head)
+    for side in ("jax", "torch"):
+        assert sum(2 * g[side][0] * g[side][1] * g["i"] * g["o"] for g in specs) == pytest.approx(expect, rel=1e-12)
+    assert {g["jax"][0] for g in specs if g["name"].startswith("head")} == {48}  # the fused loss's tiles
+    rng = np.random.default_rng(0)
+    t, i, o = 5, 3, 4  # distinct sizes: an operand is known by its shape
+    x, w, dy = rng.standard_normal((t, i)), rng.standard_normal((o, i)), rng.standard_normal((t, o))
+    by_shape = {(t, i): x, (t, o): dy, (i, o): w.T, (o, i): w}
+    for g in specs:
+        torch_form = {"forward": x @ w.T, "∂x": dy @ w, "∂W": dy.T @ x}[g["op"]]  # ∂W: [o, i]
+        for layout in ("io", "oi"):
+            eq, sa, sb = gemm_floor._operands(dict(g, i=i, o=o), t, layout)
+            want = torch_form.T if g["op"] == "∂W" and layout == "io" else torch_form
+            np.testing.assert_allclose(np.einsum(eq, by_shape[sa], by_shape[sb]), want, rtol=1e-12)
+
+
+PROBE = r"""
+import resource, sys
+sys.path.insert(0, sys.argv[2])
+import peer
+if sys.argv[1] == "keep":
+    assert peer.keep_freed_memory()
+import jax, jax.numpy as jnp
+# ~0.13 GB of temporaries a run (exp(x) and the product), freed after it
+f = jax.jit(lambda x, w: jnp.sin(jnp.exp(x) @ w).sum())
+x, w = jnp.full((8192, 2048), 1e-3, jnp.float32), jnp.ones((2048, 2048), jnp.float32)
+for _ in range(8):  # the kept heap reaches its steady layout within about five runs
+    f(x, w).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    f(x, w).block_until_ready()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 3)
+"""
+
+
+def _faults_per_run(mode):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", PROBE, mode, os.path.join(REPO, "benchmarks")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_kept_memory_stops_per_run_page_faults():
+    # peer.keep_freed_memory, which every peer worker calls: XLA:CPU's per-run temporaries
+    # stop being mapped afresh (and faulted in page by page) at every run.
+    default, kept = _faults_per_run("default"), _faults_per_run("keep")
+    assert default > 20_000, default  # 0.13 GB of 4 KiB pages is ~33,000 faults
+    assert kept < 1_000, kept

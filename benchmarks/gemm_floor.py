@@ -1,0 +1,206 @@
+"""A train step's matrix multiplies alone, XLA:CPU against PyTorch's, at the same shapes: how
+much of the peer gap (docs/PERFORMANCE.md) is the GEMM library rather than our code.
+
+    flock /tmp/onona-heavy.lock python benchmarks/gemm_floor.py --head=standard \
+        --set=model.d_model=512,model.n_layers=8,model.n_heads=8,model.n_kv_heads=4,model.head_dim=64,model.d_ff=1408,train.global_batch=4,data.seq_len=256
+
+Lists the GEMMs of one train step of the dense model: per layer, the forward, ∂x and ∂W of
+the seven projections; per vocabulary table, the logits, ∂h and ∂table, over the fused loss's
+token tiles for onona-jax (`model.loss_token_tile`) and over the whole batch for PyTorch (its
+cross-entropy computes them so). Each framework runs in its own process (both keep freed
+memory, `peer.keep_freed_memory`) and times each GEMM alone, in its own layout (ours: weights
+[in, out], tables [V, d], `jnp.einsum` under `jit`; PyTorch's: `Linear` weights [out, in],
+`x @ W.T`, `dy @ W`, `dy.T @ x`), one call per GEMM a round, the two processes taking turns
+for `--rounds` rounds; a GEMM's time is its median over rounds. The attention core (Q·Kᵀ,
+P·V and their gradients: 4% of the FLOPs at d 512) is left out.
+
+With `--step_rounds` > 0 it then runs `peer.measure` (onona-jax and torch.compile, paired
+rounds, freed memory kept as for the GEMMs) and prints each side's step time less its GEMMs: the time outside matrix multiplies.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax is imported)
+
+flags.DEFINE_string("config", f"{peer.CONFIGS}:dense-small-standard", "config spec")
+flags.DEFINE_enum("head", "standard", list(peer.HEADS), "model.head (twin: two tables)")
+flags.DEFINE_list("set", [], "key=value overrides")
+flags.DEFINE_integer("rounds", 9, "rounds of every GEMM on each side")
+flags.DEFINE_integer("step_rounds", 0, "also time the whole step (peer.measure) over this many paired rounds")
+FLAGS = flags.FLAGS
+OPS = ("forward", "∂x", "∂W")
+
+
+def gemms(cfg, head: str) -> list[dict]:
+    """Every GEMM of one train step: {name, tokens t, in i, out o, op, count, layout per side}."""
+    m = cfg.model
+    n = cfg.train.global_batch * cfg.data.seq_len
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    out = []
+    for name, i, o, per_layer in (("q", m.d_model, q, 1), ("k, v", m.d_model, kv, 2), ("o", q, m.d_model, 1),
+                                  ("gate, up", m.d_model, m.d_ff, 2), ("down", m.d_ff, m.d_model, 1)):
+        for op in OPS:
+            out.append(dict(name=f"{name} {op}", i=i, o=o, op=op, jax=(n, per_layer * m.n_layers, "io"),
+                            torch=(n, per_layer * m.n_layers)))
+    tables = 2 if head == "twin" else 1
+    tile = min(m.loss_token_tile, n) if m.loss == "fused" else n
+    for op, label in zip(OPS, ("logits", "∂h", "∂table")):
+        out.append(dict(name=f"head {label}", i=m.d_model, o=m.vocab_size, op=op,
+                        jax=(tile, tables * math.ceil(n / tile), "oi"), torch=(n, tables)))
+    return out
+
+
+def _operands(g, t, layout):
+    """(einsum equation, a's shape, b's shape) of GEMM `g` over t tokens, weights in `layout`:
+    "io" ([in, out]) or "oi" ([out, in]); the letters are the equation's."""
+    i, o = g["i"], g["o"]
+    w = (i, o) if layout == "io" else (o, i)
+    if g["op"] == "forward":
+        return f"ti,{layout}->to", (t, i), w
+    if g["op"] == "∂x":
+        return f"to,{layout}->ti", (t, o), w
+    return ("ti,to->io", (t, i), (t, o)) if layout == "io" else ("to,ti->oi", (t, o), (t, i))
+
+
+def _jax_fns(specs):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    fns = []
+    for g in specs:
+        eq, sa, sb = _operands(g, g["jax"][0], g["jax"][2])
+        a, b = (jnp.asarray(rng.standard_normal(s, np.float32)) for s in (sa, sb))
+        f = jax.jit(lambda a, b, eq=eq: jnp.einsum(eq, a, b))
+        fns.append(lambda f=f, a=a, b=b: f(a, b).block_until_ready())
+    return fns
+
+
+def _torch_fns(specs):
+    import torch
+
+    torch.manual_seed(0)
+    fns = []
+    for g in specs:  # what autograd runs for a Linear (and the tied table, [V, d])
+        t = g["torch"][0]
+        W, x, dy = torch.randn(g["o"], g["i"]), torch.randn(t, g["i"]), torch.randn(t, g["o"])
+        fns.append({"forward": lambda x=x, W=W: x @ W.T, "∂x": lambda dy=dy, W=W: dy @ W,
+                    "∂W": lambda dy=dy, x=x: dy.T @ x}[g["op"]])
+    return fns
+
+
+def _worker(conn, side, specs, threads):
+    try:
+        peer.keep_freed_memory()  # no GEMM pays page faults for its output
+        if side == "torch":
+            import torch
+
+            torch.set_num_threads(threads)
+        fns = _jax_fns(specs) if side == "jax" else _torch_fns(specs)
+        for f in fns:  # compile / warm up
+            f()
+        conn.send("ready")
+        while conn.recv() == "round":
+            times = []
+            for f in fns:
+                t0 = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t0)
+            conn.send(times)
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which fails with it
+        conn.send(f"{type(err).__name__}: {err}")
+    finally:
+        conn.close()
+
+
+def measure(cfg, head, rounds, log) -> dict:
+    specs = gemms(cfg, head)
+    threads = len(os.sched_getaffinity(0))
+    ctx = mp.get_context("spawn")
+    conns, procs = {}, []
+    for side in ("jax", "torch"):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(child, side, specs, threads), daemon=True)
+        p.start()
+        child.close()
+        conns[side], procs = parent, procs + [p]
+    try:
+        for side, c in conns.items():
+            msg = c.recv()
+            if msg != "ready":
+                raise SystemExit(f"error: the {side} GEMM worker failed: {msg}")
+        times = {"jax": [], "torch": []}
+        for r in range(rounds):
+            for side in (("jax", "torch") if r % 2 == 0 else ("torch", "jax")):
+                conns[side].send("round")
+                msg = conns[side].recv()
+                if isinstance(msg, str):
+                    raise SystemExit(f"error: the {side} GEMM worker failed: {msg}")
+                times[side].append(msg)
+            log(f"  round {r + 1}/{rounds}: " + ", ".join(
+                f"{side} {sum(s * g[side][1] for s, g in zip(times[side][-1], specs)):.3f} s" for side in times))
+    finally:
+        for c in conns.values():
+            c.send("stop")
+        for p in procs:
+            p.join(timeout=30)
+    rows = []
+    for k, g in enumerate(specs):
+        row = dict(g)
+        for side in ("jax", "torch"):
+            t, count = g[side][:2]
+            med = statistics.median(ts[k] for ts in times[side])
+            row[f"{side}_s"], row[f"{side}_total_s"] = med, med * count
+            row[f"{side}_gflops"] = 2 * t * g["i"] * g["o"] / med / 1e9
+        rows.append(row)
+    return {"rows": rows, "jax_total_s": sum(r["jax_total_s"] for r in rows),
+            "torch_total_s": sum(r["torch_total_s"] for r in rows), "threads": threads}
+
+
+def format_result(res) -> str:
+    lines = [f"  {'GEMM':<18}{'ours t×i×o':>20}{'×':>4}{'ms':>8}{'GFLOP/s':>9}   "
+             f"{'torch t×i×o':>20}{'×':>4}{'ms':>8}{'GFLOP/s':>9}"]
+    for r in res["rows"]:
+        (jt, jc, _), (tt, tc) = r["jax"], r["torch"]
+        ours, theirs = f"{jt}×{r['i']}×{r['o']}", f"{tt}×{r['i']}×{r['o']}"
+        lines.append(f"  {r['name']:<18}{ours:>20}{jc:>4}{r['jax_s'] * 1e3:>8.1f}{r['jax_gflops']:>9.0f}   "
+                     f"{theirs:>20}{tc:>4}{r['torch_s'] * 1e3:>8.1f}{r['torch_gflops']:>9.0f}")
+    lines.append(f"  GEMMs of one step: onona-jax (XLA:CPU) {res['jax_total_s']:.3f} s, PyTorch "
+                 f"{res['torch_total_s']:.3f} s: {res['jax_total_s'] / res['torch_total_s']:.3f} ×")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    cfg = peer.jax_config(FLAGS.config, peer.overrides(FLAGS.set), FLAGS.head)
+    if cfg.model.arch != "dense":
+        raise SystemExit(f"error: model.arch={cfg.model.arch!r}: the GEMM list is the dense Qwen3 body's")
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    res = measure(cfg, FLAGS.head, FLAGS.rounds, log)
+    print(f"GEMMs of a {FLAGS.head} train step, median of {FLAGS.rounds} rounds, {res['threads']} threads")
+    print(format_result(res))
+    if FLAGS.step_rounds > 0:
+        step = peer.measure(FLAGS.config, peer.overrides(FLAGS.set), [FLAGS.head], ["jax", "torch_compile"],
+                            FLAGS.step_rounds, 3, "fused", log, keep_memory=True)  # as the GEMMs ran
+        j, t = (step["rows"][peer.variant(k, FLAGS.head)]["median_s"] for k in ("jax", "torch_compile"))
+        print(f"Train step, median of {FLAGS.step_rounds} paired rounds: onona-jax {j:.3f} s = GEMMs "
+              f"{res['jax_total_s']:.3f} + other {j - res['jax_total_s']:.3f}; torch.compile {t:.3f} s = GEMMs "
+              f"{res['torch_total_s']:.3f} + other {t - res['torch_total_s']:.3f}")
+        print(f"  with XLA:CPU's GEMMs, matching torch.compile's step leaves {t - res['jax_total_s']:.3f} s "
+              f"for everything else (torch.compile itself: {t - res['torch_total_s']:.3f} s)")
+
+
+if __name__ == "__main__":
+    app.run(main)
