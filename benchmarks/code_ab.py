@@ -29,37 +29,31 @@ flags.DEFINE_integer("rounds", 10, "paired rounds")
 FLAGS = flags.FLAGS
 
 
-def _worker(root, spec, overrides, head, conn):
-    sys.path[:0] = [root, os.path.join(root, "benchmarks")]
-    import numpy as np
-    import peer  # this checkout's
+def _worker(conn, root, spec, overrides, head):
+    """`peer.Worker`'s protocol: ready with the first-step loss, then one step a "step"."""
+    try:
+        sys.path[:0] = [root, os.path.join(root, "benchmarks")]
+        import numpy as np
+        import peer  # this checkout's
 
-    cfg = peer.jax_config(os.path.join(root, spec), overrides, head)
-    step = peer.jax_side(cfg)[3]
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1))
-    loss = step(tokens)[0]
-    for _ in range(3):  # warm-up
-        step()
-    conn.send(loss)
-    while conn.recv():
-        conn.send(step()[1])
-
-
-class _Side:
-    """A spawned `_worker` as `peer.paired_rounds` drives it."""
-
-    def __init__(self, name, conn):
-        self.name, self.conn = name, conn
-
-    def step(self) -> float:
-        self.conn.send(True)
-        return self.conn.recv()
+        cfg = peer.jax_config(os.path.join(root, spec), overrides, head)
+        step = peer.jax_side(cfg)[3]
+        tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
+                                                   (cfg.train.global_batch, cfg.data.seq_len + 1))
+        loss = step(tokens)[0]
+        for _ in range(3):  # warm-up
+            step()
+        conn.send({"ok": True, "loss1": loss})
+        while conn.recv() == "step":
+            conn.send(step()[1])
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which fails with it
+        conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
+    finally:
+        conn.close()
 
 
 def main(argv):
     del argv
-    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
-    import peer  # this checkout's, for its --set parser
 
     base = os.path.abspath(FLAGS.base)
     if not os.path.isfile(os.path.join(base, "benchmarks", "peer.py")):
@@ -67,27 +61,27 @@ def main(argv):
                          "make one with `git worktree add /tmp/base HEAD`")
     extra = peer.overrides(FLAGS.set)
     ctx = mp.get_context("spawn")
-    sides, first = {}, {}
-    for name, root in (("base", base), ("this", HERE)):
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(root, FLAGS.config, extra, FLAGS.head, theirs))
-        proc.start()
-        sides[name] = (proc, ours)
-        first[name] = ours.recv()
-        print(f"{name} ({root}): first-step loss {first[name]:.7f}", flush=True)
-    if abs(first["this"] - first["base"]) > 1e-5 * abs(first["base"]):
-        for proc, conn in sides.values():
-            conn.send(False)
-        raise SystemExit(f"error: first-step losses differ ({first}): the two checkouts do not compute the same "
-                         "step; compare a change that keeps the step's values, or fix the one that changed them")
-    times = peer.paired_rounds([_Side(name, conn) for name, (_, conn) in sides.items()], FLAGS.rounds, print)
-    for proc, conn in sides.values():
-        conn.send(False)
-        proc.join()
+    sides = [peer.Worker(ctx, name, _worker, (root, FLAGS.config, extra, FLAGS.head))
+             for name, root in (("base", base), ("this", HERE))]
+    try:
+        first = {}
+        for w, root in zip(sides, (base, HERE)):
+            first[w.name] = w.ready()["loss1"]
+            print(f"{w.name} ({root}): first-step loss {first[w.name]:.7f}", flush=True)
+        if abs(first["this"] - first["base"]) > 1e-5 * abs(first["base"]):
+            raise SystemExit(f"error: first-step losses differ ({first}): the two checkouts do not compute the "
+                             "same step; compare a change that keeps the step's values, or fix the one that changed them")
+        times = peer.paired_rounds(sides, FLAGS.rounds, print)
+    finally:
+        for w in sides:
+            w.stop()
     for name, ts in times.items():
         print(f"{name}: median step {statistics.median(ts):.3f} s")
     print(f"this / base, paired: {statistics.median(b / a for a, b in zip(times['base'], times['this'])):.3f}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import peer  # this checkout's: its --set parser, Worker and errors_as_exit
+
+    app.run(peer.errors_as_exit(main))

@@ -15,7 +15,8 @@ for `--rounds` rounds; a GEMM's time is its median over rounds. The attention co
 P·V and their gradients: 4% of the FLOPs at d 512) is left out.
 
 With `--step_rounds` > 0 it then runs `peer.measure` (onona-jax and torch.compile, paired
-rounds, freed memory kept as for the GEMMs) and prints each side's step time less its GEMMs: the time outside matrix multiplies.
+rounds, freed memory kept as for the GEMMs) and prints each side's step time less its GEMMs:
+the time outside matrix multiplies.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _torch_fns(specs):
 
 
 def _worker(conn, side, specs, threads):
+    """`peer.Worker`'s protocol: ready, then each "step" times every GEMM once."""
     try:
         peer.keep_freed_memory()  # no GEMM pays page faults for its output
         if side == "torch":
@@ -110,8 +112,8 @@ def _worker(conn, side, specs, threads):
         fns = _jax_fns(specs) if side == "jax" else _torch_fns(specs)
         for f in fns:  # compile / warm up
             f()
-        conn.send("ready")
-        while conn.recv() == "round":
+        conn.send({"ok": True})
+        while conn.recv() == "step":
             times = []
             for f in fns:
                 t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def _worker(conn, side, specs, threads):
                 times.append(time.perf_counter() - t0)
             conn.send(times)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which fails with it
-        conn.send(f"{type(err).__name__}: {err}")
+        conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
     finally:
         conn.close()
 
@@ -128,33 +130,19 @@ def measure(cfg, head, rounds, log) -> dict:
     specs = gemms(cfg, head)
     threads = len(os.sched_getaffinity(0))
     ctx = mp.get_context("spawn")
-    conns, procs = {}, []
-    for side in ("jax", "torch"):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(child, side, specs, threads), daemon=True)
-        p.start()
-        child.close()
-        conns[side], procs = parent, procs + [p]
+    workers = [peer.Worker(ctx, side, _worker, (side, specs, threads)) for side in ("jax", "torch")]
     try:
-        for side, c in conns.items():
-            msg = c.recv()
-            if msg != "ready":
-                raise SystemExit(f"error: the {side} GEMM worker failed: {msg}")
-        times = {"jax": [], "torch": []}
+        for w in workers:
+            w.ready()
+        times = {w.name: [] for w in workers}
         for r in range(rounds):
-            for side in (("jax", "torch") if r % 2 == 0 else ("torch", "jax")):
-                conns[side].send("round")
-                msg = conns[side].recv()
-                if isinstance(msg, str):
-                    raise SystemExit(f"error: the {side} GEMM worker failed: {msg}")
-                times[side].append(msg)
+            for w in (workers if r % 2 == 0 else workers[::-1]):
+                times[w.name].append(w.step())
             log(f"  round {r + 1}/{rounds}: " + ", ".join(
-                f"{side} {sum(s * g[side][1] for s, g in zip(times[side][-1], specs)):.3f} s" for side in times))
+                f"{side} {sum(s * g[side][1] for s, g in zip(ts[-1], specs)):.3f} s" for side, ts in times.items()))
     finally:
-        for c in conns.values():
-            c.send("stop")
-        for p in procs:
-            p.join(timeout=30)
+        for w in workers:
+            w.stop()
     rows = []
     for k, g in enumerate(specs):
         row = dict(g)
@@ -203,4 +191,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(peer.errors_as_exit(main))

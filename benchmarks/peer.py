@@ -123,6 +123,19 @@ def overrides(items) -> dict:
     return out
 
 
+def errors_as_exit(main):
+    """An absl `app.run` main whose anticipated failures (`cli.Failure`, a bad value) end in one
+    `error:` line, for the benchmark scripts beside this one."""
+
+    def run(argv):
+        try:
+            return main(argv)
+        except (cli.Failure, ValueError, TypeError) as err:  # TypeError: a config value of the wrong type
+            raise SystemExit(f"error: {err}") from None
+
+    return run
+
+
 # ----------------------------------------------------------------------------- the jax side
 
 
@@ -131,6 +144,9 @@ def jax_config(spec: str, overrides: dict, head: str):
     from onona_jax import config as config_lib
 
     cfg = config_lib.load(spec)
+    unknown = sorted(set(overrides) - set(config_lib.flatten(cfg)))
+    if unknown:  # update_from_flattened_dict would add them silently
+        raise cli.UsageError(f"unknown config keys {', '.join(unknown)}: every key is in onona_jax/config.py")
     if overrides:
         cfg.update_from_flattened_dict(overrides)
     cfg.model.head = head
@@ -324,10 +340,14 @@ def _worker(conn, kind, head, job):
 
 
 class Worker:
-    def __init__(self, ctx, kind, head, job):
-        self.name = variant(kind, head)
+    """A spawned process `target(conn, *args)` that sends {"ok": True, ...} (or {"ok": False,
+    "error": ...}) once ready, then answers each "step" with one reply until "stop"; `_worker`
+    is one, and benchmarks/code_ab.py and gemm_floor.py run theirs through this class too."""
+
+    def __init__(self, ctx, name, target, args):
+        self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, kind, head, job), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.proc.start()
         child.close()
 
@@ -343,9 +363,12 @@ class Worker:
             raise cli.Failure(f"{self.name} failed to start: {info['error']}")
         return info
 
-    def step(self) -> float:
+    def step(self):
         self.conn.send("step")
-        return self._recv()
+        reply = self._recv()
+        if isinstance(reply, dict) and not reply.get("ok", True):
+            raise cli.Failure(f"{self.name} failed: {reply['error']}")
+        return reply
 
     def stop(self):
         try:
@@ -417,7 +440,7 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags
                    "model": cfg.model.to_dict(), "train": cfg.train.to_dict(), "lrs": lrs, "adamw": adamw,
                    "xla_flags": xla_flags, "keep_freed_memory": keep_memory}
             for kind in ("jax",) + tuple(k for k in kinds if k != "jax"):  # jax writes the weights first
-                w = Worker(ctx, kind, head, job)
+                w = Worker(ctx, variant(kind, head), _worker, (kind, head, job))
                 workers.append(w)
                 infos[w.name] = w.ready()
                 log(f"  {w.name}: built in {infos[w.name]['build_s']:.1f} s, first two steps "

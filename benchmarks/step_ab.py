@@ -67,4 +67,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(peer.errors_as_exit(main))

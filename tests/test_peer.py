@@ -51,6 +51,15 @@ def test_first_steps_match_pytorch_peer(head):
     assert ours[2] < ours[0] - 0.01  # the updates are real: the loss moved
 
 
+def test_unknown_config_key_is_refused():
+    # update_from_flattened_dict would add a misspelt key silently, and the benchmark would
+    # measure the config it was not asked for.
+    from onona_jax import cli
+
+    with pytest.raises(cli.UsageError, match="unknown config keys model.d_modle"):
+        peer.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin", {"model.d_modle": 64}, "twin")
+
+
 gspec = importlib.util.spec_from_file_location("onona_gemm_floor", os.path.join(REPO, "benchmarks", "gemm_floor.py"))
 gemm_floor = importlib.util.module_from_spec(gspec)
 gspec.loader.exec_module(gemm_floor)
