@@ -4,6 +4,7 @@ batch give the same losses; its workers' allocator setting works; benchmarks/gem
 lists exactly the step's matrix multiplies. The timing itself is the benchmarks', not a test's."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -94,36 +95,48 @@ def test_gemm_floor_lists_every_matmul_of_the_step(head):
 
 
 PROBE = r"""
-import resource, sys
+import ctypes, json, resource, sys
 sys.path.insert(0, sys.argv[2])
 import peer
 if sys.argv[1] == "keep":
     assert peer.keep_freed_memory()
 import jax, jax.numpy as jnp
+libc = ctypes.CDLL("libc.so.6")
+libc.sbrk.restype = ctypes.c_void_p
 # ~0.13 GB of temporaries a run (exp(x) and the product), freed after it
 f = jax.jit(lambda x, w: jnp.sin(jnp.exp(x) @ w).sum())
 x, w = jnp.full((8192, 2048), 1e-3, jnp.float32), jnp.ones((2048, 2048), jnp.float32)
-for _ in range(8):  # the kept heap reaches its steady layout within about five runs
+f(x, w).block_until_ready()
+runs = []  # (minor faults, pages the heap grew by) of each run
+for _ in range(15):
+    faults, brk = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, libc.sbrk(0)
     f(x, w).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
-    f(x, w).block_until_ready()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 3)
+    runs.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, (libc.sbrk(0) - brk) // 4096))
+print(json.dumps(runs))
 """
 
 
-def _faults_per_run(mode):
+def _runs(mode):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", PROBE, mode, os.path.join(REPO, "benchmarks")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    return int(out.stdout.split()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_kept_memory_stops_per_run_page_faults():
     # peer.keep_freed_memory, which every peer worker calls: XLA:CPU's per-run temporaries
-    # stop being mapped afresh (and faulted in page by page) at every run.
-    default, kept = _faults_per_run("default"), _faults_per_run("keep")
-    assert default > 20_000, default  # 0.13 GB of 4 KiB pages is ~33,000 faults
-    assert kept < 1_000, kept
+    # stop being mapped afresh (and faulted in page by page) at every run. With it a run
+    # faults in only the pages its heap newly grows by: the heap grows in steps of the
+    # run's temporaries (128 MiB here) until its free holes fit every run's layout, at a random run
+    # (XLA's threads decide the order of allocations), and then stays. That growth is the
+    # peak-RSS price the docstring states; the runs whose heap did not grow
+    # must fault (next to) nothing.
+    slack = 4096  # pages (16 MiB): Python's and XLA's own small allocations, seen up to ~3,600
+    default = _runs("default")
+    assert all(faults - grew > 20_000 for faults, grew in default), default  # ~32,768: 0.13 GB, 4 KiB pages
+    kept = _runs("keep")
+    assert all(faults - grew < slack for faults, grew in kept), kept
+    settled = [faults for faults, grew in kept if grew == 0]
+    assert settled and max(settled) < 1_000, kept
