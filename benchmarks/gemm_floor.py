@@ -134,12 +134,8 @@ def measure(cfg, head, rounds, log) -> dict:
     try:
         for w in workers:
             w.ready()
-        times = {w.name: [] for w in workers}
-        for r in range(rounds):
-            for w in (workers if r % 2 == 0 else workers[::-1]):
-                times[w.name].append(w.step())
-            log(f"  round {r + 1}/{rounds}: " + ", ".join(
-                f"{side} {sum(s * g[side][1] for s, g in zip(ts[-1], specs)):.3f} s" for side, ts in times.items()))
+        times = peer.paired_rounds(workers, rounds, log,  # logs each side's GEMMs of one step
+                                   lambda side, ts: sum(s * g[side][1] for s, g in zip(ts, specs)))
     finally:
         for w in workers:
             w.stop()

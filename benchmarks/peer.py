@@ -408,13 +408,16 @@ def check_start(infos: dict, heads) -> dict:
     return out
 
 
-def paired_rounds(workers: list, rounds: int, log) -> dict:
+def paired_rounds(workers: list, rounds: int, log, seconds=lambda name, reply: reply) -> dict:
+    """{worker name: its "step" replies}, one step of each worker a round, the order rotating
+    so no worker always runs right after the same one; `seconds(name, reply)` is the time
+    logged for a reply (the reply itself where it is one)."""
     times = {w.name: [] for w in workers}
     for r in range(rounds):
         k = r % len(workers)
         for w in workers[k:] + workers[:k]:
             times[w.name].append(w.step())
-        log(f"  round {r}: " + ", ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()))
+        log(f"  round {r}: " + ", ".join(f"{n} {seconds(n, t[-1]):.3f}" for n, t in times.items()))
     return times
 
 
