@@ -12,6 +12,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import cli, paths, summary
@@ -205,6 +206,29 @@ def prepare_data(cfg, workdir: str) -> str:
     return data_dir
 
 
+def take_lock(workdir: str, break_lock: bool) -> WorkdirLock:
+    """Process 0 takes the workdir's lock, and no process goes on before every process knows it
+    did: one racing ahead would create checkpoints/ while process 0 still checks the run, and
+    the processes would then disagree on what to restore (Orbax's collectives hang or fail)."""
+    failure = None
+    try:
+        lock = WorkdirLock(workdir, break_lock).acquire()
+    except ValueError as err:  # held by another run
+        failure = err
+    except OSError as err:
+        failure = cli.Failure(f"cannot write to {workdir} ({err.strerror or err}); make it writable "
+                              "or choose another --workdir")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        took = multihost_utils.broadcast_one_to_all(np.int32(failure is None))
+        if failure is None and not took:
+            failure = cli.Failure(f"process 0 could not take the lock of {workdir}; its error line says why")
+    if failure is not None:
+        raise failure from None
+    return lock
+
+
 def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bool = False) -> dict:
     """Train (or resume) in `workdir`; returns the final evaluation. Holds the workdir's lock
     (`lock.json`) from its first write to its return, whatever ends the run."""
@@ -219,13 +243,13 @@ def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bo
     if cfg.init_from and not paths.isdir(paths.join(cfg.init_from, "checkpoints")):
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
-    try:
-        lock = WorkdirLock(workdir, break_lock).acquire()
-    except OSError as err:
-        raise cli.Failure(f"cannot write to {workdir} ({err.strerror or err}); make it writable "
-                          "or choose another --workdir") from None
+    lock = take_lock(workdir, break_lock)
     try:
         check_resume(cfg, run, workdir)  # again, now that no other run can write meanwhile
+        if jax.process_count() > 1:  # every process has read the workdir before any writes to it
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("resume checked")
         return _train(cfg, run, workdir, progress)
     finally:
         lock.release()
