@@ -255,7 +255,12 @@ class WorkdirLock:
             return self
         paths.makedirs(self.workdir)
         if self.cloud:
-            self._acquire_lease()
+            try:
+                self._acquire_lease()
+            except (ValueError, OSError):
+                raise
+            except Exception as err:  # gcsfs's HttpError (a 5xx, retries exhausted): an OSError like the rest
+                raise OSError(errno.EIO, f"{type(err).__name__}: {err}") from None
         else:
             self._acquire_local()
         self.held = True
