@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from onona_jax import cli, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
-from onona_jax.train.lock import WorkdirLock
+from onona_jax.train.lock import WorkdirLock, check as check_lock
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
 from onona_jax.train.upcycle import upcycle
@@ -206,13 +206,13 @@ def prepare_data(cfg, workdir: str) -> str:
     return data_dir
 
 
-def take_lock(workdir: str, break_lock: bool) -> WorkdirLock:
+def take_lock(workdir: str) -> WorkdirLock:
     """Process 0 takes the workdir's lock, and no process goes on before every process knows it
     did: one racing ahead would create checkpoints/ while process 0 still checks the run, and
     the processes would then disagree on what to restore (Orbax's collectives hang or fail)."""
     failure = None
     try:
-        lock = WorkdirLock(workdir, break_lock).acquire()
+        lock = WorkdirLock(workdir).acquire()
     except ValueError as err:  # held by another run
         failure = err
     except OSError as err:
@@ -229,7 +229,7 @@ def take_lock(workdir: str, break_lock: bool) -> WorkdirLock:
     return lock
 
 
-def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bool = False) -> dict:
+def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     """Train (or resume) in `workdir`; returns the final evaluation. Holds the workdir's lock
     (`lock.json`) from its first write to its return, whatever ends the run."""
     from onona_jax.data import pipeline
@@ -243,7 +243,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bo
     if cfg.init_from and not paths.isdir(paths.join(cfg.init_from, "checkpoints")):
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
-    lock = take_lock(workdir, break_lock)
+    lock = take_lock(workdir)
     try:
         check_resume(cfg, run, workdir)  # again, now that no other run can write meanwhile
         if jax.process_count() > 1:  # every process has read the workdir before any writes to it
@@ -359,6 +359,7 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
             if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
                 validate(0)
             for step in range(start + 1, run.steps + 1):
+                check_lock()  # a run whose workdir lock was lost (a bucket lease) stops here
                 state, metrics = train_step(state, global_batch(run, next(batches)))
                 bar.update(1)
                 if step % cfg.train.log_every == 0 or step == run.steps:
