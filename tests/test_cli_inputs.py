@@ -12,16 +12,18 @@ import subprocess
 import time
 from pathlib import Path
 
+import jax
 import ml_collections
 import pytest
 
 import train as train_cli
 from conftest import REPO, tiny_config
+from onona_jax import checkpoint
 from onona_jax import config as config_lib
 from onona_jax import models as model_lib
-from onona_jax.serve import export, hf_format
+from onona_jax.serve import export, generate, hf_format
 from onona_jax.train import import_hf
-from test_reliability import errors, run_dir, tree_digest  # noqa: F401 - the fixtures
+from test_reliability import copy_run, errors, run_dir, tree_digest  # noqa: F401 - the fixtures
 
 
 def one_error(capfd) -> str:
@@ -242,3 +244,62 @@ def test_a_failed_export_leaves_the_old_folder_as_it_was(run_dir, tmp_path, capf
     line = one_error(capfd)
     assert line.startswith(f"error: cannot write the export to {out} (No space left on device)"), line
     assert tree_digest(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------- a run that rotates its steps
+
+
+def rotate(workdir: Path, old: int, new: int):
+    """What a live train.py with max_to_keep does meanwhile: a newer step appears, `old` is deleted."""
+    ckpts = workdir / "checkpoints"
+    shutil.copytree(ckpts / str(old), ckpts / str(new))
+    shutil.rmtree(ckpts / str(old))
+
+
+def test_read_only_restore_retries_a_step_deleted_while_read(copy_run, capfd, monkeypatch):
+    """restore_params (eval, export, analysis) lists [2, 4] and reads 4; the run saves 6 and
+    deletes 4 during the read: it reads 6, says so, and touches nothing."""
+    real = checkpoint.Checkpoints.restore_params
+    calls = []
+
+    rotated = {}
+
+    def read(self, step, *args, **kwargs):
+        calls.append(step)
+        if len(calls) == 1:
+            rotate(copy_run, 4, 6)
+            rotated.update(tree_digest(copy_run))
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "restore_params", read)
+    _, step, _, _ = checkpoint.restore_params(str(copy_run), None, (1, 1, 1), jax.devices()[:1])
+    err = capfd.readouterr().err
+    assert calls == [4, 6] and step == 6
+    assert err.strip() == ("note: checkpoint at step 4 was deleted while it was read (a running train.py keeps only "
+                           "its newest); reading step 6, the newest now"), err
+    assert tree_digest(copy_run) == rotated  # the reader changed nothing
+
+
+def test_generate_on_a_run_that_rotates_between_its_reads(copy_run, capfd, monkeypatch):
+    """generate reads the head at step 4, then the trunk; the run saves 6 and deletes 4 in
+    between (before: exit 2 "no checkpoint at step 4 ... have [2, 6]"). It generates from step
+    6 and says so. `--step` of a step that does not exist stays one error line, exit 2."""
+    real = checkpoint.Checkpoints.restore_params
+    calls = []
+
+    def read(self, step, abstract, *args, **kwargs):
+        calls.append((step, tuple(abstract)))
+        out = real(self, step, abstract, *args, **kwargs)
+        if len(calls) == 1:
+            rotate(copy_run, 4, 6)
+        return out
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "restore_params", read)
+    assert generate.main([f"--workdir={copy_run}", "--max_new_tokens=2", "--prompt=It is"]) == 0
+    out, err = capfd.readouterr()
+    assert calls == [(4, ("head",)), (6, ("head",)), (6, ("trunk",))]
+    assert "note: checkpoint at step 4 was deleted after its head was read" in err and "Traceback" not in err
+    assert "step 6]" in out, out
+
+    assert generate.main([f"--workdir={copy_run}", "--step=4"]) == 2
+    assert one_error(capfd) == (f"error: no checkpoint at step 4 in {copy_run / 'checkpoints'}; have [2, 6]")
