@@ -50,6 +50,13 @@ class StepGone(ValueError):
     read-only reader read it (a running train.py keeps only its newest train.keep_checkpoints)."""
 
 
+def rotated_twice(directory, first: int, second: int) -> cli.Failure:
+    """The error of a read-only reader whose retry's step was deleted too (exit 1)."""
+    return cli.Failure(f"checkpoints at steps {first} and {second} in {directory} were deleted while being read: "
+                       "the run deletes steps faster than this reads them; raise its train.keep_checkpoints, or "
+                       "read after it ends")
+
+
 def _leaves(tree) -> dict:
     """{'trunk/layers/attn/q': (shape, dtype name)} of arrays or ShapeDtypeStructs or
     Orbax's array metadata."""
@@ -369,9 +376,7 @@ class Checkpoints:
             else:
                 return None
             if gone is not None:
-                raise cli.Failure(f"checkpoints at steps {gone} and {candidate} in {self.directory} were deleted while "
-                                  "being read: the run deletes steps faster than this reads them; raise its "
-                                  "train.keep_checkpoints, or read after it ends")
+                raise rotated_twice(self.directory, gone, candidate)
             gone = candidate
             if self.steps():
                 print(f"note: checkpoint at step {gone} was deleted while it was read (a running train.py keeps only "
