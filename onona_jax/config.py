@@ -254,6 +254,12 @@ def define_flag(fv, argv, default: str | None = "configs/paper.py:dense-small-tw
 
     from onona_jax.cli import UsageError
 
+    spec = _spec(argv, default, name)
+    if spec is not None:  # config_flags would put a traceback into its message, or defer the error
+        try:
+            from_spec(spec)
+        except ValueError as err:
+            raise UsageError(f"--{name}={spec}: {err}") from None
     try:
         config_flags.DEFINE_config_file(name, default, "configs/<file>.py:<arg>", flag_values=fv,
                                         lock_config=True, sys_argv=list(argv))
@@ -275,19 +281,24 @@ def overridden(cfg, argv, name: str = "config") -> dict:
     return out
 
 
-def unknown_override(argv, default: str | None, name: str = "config") -> str | None:
-    """The error for an override of a config key that does not exist (ml-collections raises
-    a bare AttributeError/KeyError from deep inside), or None."""
-    import difflib
-
+def _spec(argv, default: str | None, name: str = "config") -> str | None:
+    """The `--<name>=` spec of a command line (the last one given), else `default`."""
     spec = default
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):
             spec = arg[len(name) + 3:]
         elif arg == f"--{name}" and i + 1 < len(argv):
             spec = argv[i + 1]
+    return spec
+
+
+def unknown_override(argv, default: str | None, name: str = "config") -> str | None:
+    """The error for an override of a config key that does not exist (ml-collections raises
+    a bare AttributeError/KeyError from deep inside), or None."""
+    import difflib
+
     try:
-        cfg = load(spec)
+        cfg = load(_spec(argv, default, name))
     except Exception:  # noqa: BLE001 - not an unknown key after all: the original error speaks
         return None
     for arg in argv:
@@ -311,10 +322,50 @@ def unknown_override(argv, default: str | None, name: str = "config") -> str | N
 
 def load(spec: str) -> ml_collections.ConfigDict:
     """`configs/paper.py:dense-142m-twin` -> the validated ConfigDict (as config_flags would)."""
+    try:
+        cfg = from_spec(spec)
+    except ValueError as err:
+        raise ValueError(f"config {spec}: {err}") from None
+    return validate(cfg)
+
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def _config_files() -> str:
+    """Where the config files are, for a message."""
+    files = sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".py")) if os.path.isdir(CONFIGS_DIR) else []
+    where = os.path.relpath(CONFIGS_DIR) if not os.path.relpath(CONFIGS_DIR).startswith("..") else CONFIGS_DIR
+    return f"the config files are in {where}/: {', '.join(files) or 'none'}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = (str(err).strip().splitlines() or [""])[0]
+    return text if isinstance(err, ValueError) and text else f"{type(err).__name__}: {text}".rstrip(": ")
+
+
+def from_spec(spec: str) -> ml_collections.ConfigDict:
+    """`<file>.py[:<arg>]` -> the file's `get_config(arg)` (unvalidated), as config_flags reads
+    it. Whatever goes wrong (no such file, a file that fails to load, a name get_config does
+    not know) is one ValueError line that says where the valid names are, never a traceback."""
     path, _, arg = spec.partition(":")
-    if not os.path.exists(path):
-        raise ValueError(f"config file {path!r} not found")
-    module_spec = importlib.util.spec_from_file_location("_onona_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return validate(module.get_config(arg) if arg else module.get_config())
+    if not os.path.isfile(path):
+        raise ValueError(f"no config file {path!r}; {_config_files()}")
+    try:
+        module_spec = importlib.util.spec_from_file_location("_onona_config", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - any error of the file's own code
+        raise ValueError(f"{path} fails to load ({_first_line(err)}); fix it or choose another "
+                         f"({_config_files()})") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise ValueError(f"{path} defines no get_config(); {_config_files()}")
+    doc = (module.__doc__ or "").strip().splitlines()
+    names = f"{path}'s get_config defines the names" + (f" ({doc[0].rstrip('.')})" if doc else "")
+    try:
+        cfg = module.get_config(arg) if arg else module.get_config()
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"{_first_line(err)}; {names}") from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ValueError(f"{path}'s get_config({arg!r}) returned {type(cfg).__name__}, not a ConfigDict")
+    return cfg

@@ -32,10 +32,8 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     `train.py --config.init_from` read it. Refuses a workdir that already has checkpoints, or
     whose lock (lock.json, as train.py takes it) another writer holds, before writing anything."""
     hf = hf_format.read_config(path)
-    base = None
-    if os.path.isfile(os.path.join(path, hf_format.TRAIN_CONFIG)):
-        with open(os.path.join(path, hf_format.TRAIN_CONFIG)) as f:
-            base = ml_collections.ConfigDict(json.load(f))
+    train_config = hf_format.read_train_config(path)
+    base = None if train_config is None else ml_collections.ConfigDict(train_config)
     cfg = hf_format.model_config_from_hf(hf, base)
     if base is None:
         cfg.name = f"hf-{os.path.basename(os.path.normpath(path))}"
