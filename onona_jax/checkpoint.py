@@ -427,7 +427,7 @@ def _config(ckpts: Checkpoints, step: int):
 
     saved = ckpts.restore_config(step)
     try:
-        return config_lib.validate(config_lib.from_saved(saved, f"{ckpts.directory}/{step}"))
+        return config_lib.validate(config_lib.from_saved(saved, f"{ckpts.directory}/{step}"), training=False)
     except CheckpointMismatch:
         raise
     except ValueError as err:

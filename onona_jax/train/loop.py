@@ -153,7 +153,9 @@ def check_writable(directory: str):
 
 def check_resume(cfg, run, workdir: str):
     """A rerun on a workdir with checkpoints must be the same run: every key outside
-    config.RESUMABLE_KEYS as saved with the newest checkpoint. Read-only; before any write."""
+    config.RESUMABLE_KEYS as saved with the newest checkpoint, the same data (wherever it now
+    lies: `check_same_data`) and, if train.steps changed, the same learning rate for every
+    step already taken (`check_schedule`). Read-only; before any write."""
     from onona_jax import config as config_lib
 
     directory = paths.join(workdir, "checkpoints")
@@ -163,7 +165,8 @@ def check_resume(cfg, run, workdir: str):
     if newest is None:
         return
     step, saved = newest
-    conflicts = config_lib.resume_conflicts(config_lib.from_saved(saved, f"{directory}/{step}"), cfg)
+    saved = config_lib.from_saved(saved, f"{directory}/{step}")
+    conflicts = config_lib.resume_conflicts(saved, cfg)
     if conflicts:
         listed = "; ".join(f"{k}: {a!r} → {b!r}" for k, a, b in conflicts)
         raise ValueError(
@@ -173,9 +176,77 @@ def check_resume(cfg, run, workdir: str):
             f"train the new one in a new --workdir (keys that may change on resume: "
             f"onona_jax/config.py RESUMABLE_KEYS)"
         )
+    check_same_data(saved, cfg, workdir)
     if run.steps < step:
         raise ValueError(f"train.steps resolves to {run.steps}, below the checkpoint's step {step} in "
                          f"{directory}; give train.steps >= {step} (or use a new --workdir)")
+    check_schedule(saved, run, step, workdir)
+
+
+def check_schedule(saved, run, step: int, workdir: str):
+    """A changed step budget moves the WSD decay; it may change on resume only while that
+    leaves the learning rate of every step already taken (optimizer steps 0..step-1) as it
+    was, i.e. while the decay has begun under neither budget. The schedules themselves are
+    compared (`optimizer.first_changed_step`), so this rule follows `optimizer.wsd`."""
+    from onona_jax.train import optimizer
+    from onona_jax.train.state import dense_standard_params
+
+    planned = optimizer.total_steps(saved, dense_standard_params(saved))  # train.steps=0: derived
+    if planned == run.steps:
+        return
+    before = optimizer.schedule(saved, planned)
+    changed = optimizer.first_changed_step(before, run.schedule, step)
+    if changed is None:
+        return
+    was, now = float(before(changed)), float(run.schedule(changed))
+    keep = saved.train.steps or f"0 (derived: {planned})"
+    raise ValueError(
+        f"train.steps resolves to {run.steps} but the run in {workdir} was planned for {planned} steps and "
+        f"has taken {step}; under the WSD schedule that changes the learning rate of a step already taken "
+        f"(step {changed + 1}: {was:.4g} → {now:.4g}): under one of the two budgets the decay (over the last "
+        f"train.decay_fraction of the steps) begins by step {step}. Either keep train.steps={keep} to finish "
+        f"the run as planned, or train the "
+        f"{'longer' if run.steps > planned else 'shorter'} run in a new --workdir (train.steps may change on "
+        "resume only before the decay begins)"
+    )
+
+
+def check_same_data(saved, cfg, workdir: str):
+    """data.dir and data.cache_dir may change on resume (the data moved, or its local copy did)
+    when the data is the same: the identity of the requested data dir (storage.data_identity:
+    its manifest's shard list) must equal the one recorded when the run last started
+    (WORKDIR/data_verified.json), or else the saved data dir's. Read-only."""
+    from onona_jax.data import storage
+
+    def where(c):  # data.dir="" is the bundled corpus, prepared into the workdir
+        return c.data.dir or paths.join(workdir, "data")
+
+    saved_dir, requested_dir = where(saved), where(cfg)
+    recorded = storage.recorded_identity(workdir)
+    if recorded is None:  # a workdir of an older version: the saved data dir's manifest, if it is there
+        try:
+            recorded = storage.data_identity(saved_dir)
+        except (ValueError, OSError):
+            pass
+    try:
+        requested = storage.data_identity(requested_dir)
+    except (ValueError, OSError):
+        requested = None  # the bundled corpus not prepared yet (train() checked a given data.dir)
+    if recorded is None or requested is None:
+        if saved.data.dir == cfg.data.dir:  # nothing to compare with, and the same data dir
+            return
+        why = (f"no {paths.join(workdir, 'data_verified.json')} and no readable manifest in {saved_dir}"
+               if recorded is None else f"no readable manifest in {requested_dir}")
+        raise ValueError(
+            f"{workdir} holds a run trained on {saved_dir}; cannot tell whether {requested_dir} holds the same "
+            f"data ({why}). Resume that run with its data (data.dir={saved.data.dir!r}), or train on "
+            f"{requested_dir} in a new --workdir")
+    if requested != recorded:
+        raise ValueError(
+            f"{workdir} holds a run trained on {saved_dir}, but {requested_dir} holds other data (its manifest "
+            f"lists other shards: identity {requested[:12]}, the run's {recorded[:12]}). Resume that run with its "
+            f"data (data.dir={saved.data.dir!r}, or wherever that data now lies), or train on {requested_dir} in "
+            "a new --workdir")
 
 
 def save_failure(ckpts, step, err) -> cli.Failure:
@@ -263,7 +334,7 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
     check_writable(paths.join(workdir, "checkpoints"))
     data_dir = prepare_data(cfg, workdir)
     cache = cfg.data.cache_dir or None
-    if jax.process_index() == 0:  # every shard against the manifest's hash, once per workdir
+    if jax.process_index() == 0:  # every shard against the manifest's hash, once per change of the shard
         storage.verify_once(data_dir, workdir)
     val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
                                               cache_dir=cache)
