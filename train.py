@@ -11,22 +11,31 @@ from onona_jax import cli
 from onona_jax import config as config_lib
 
 DEFAULT_CONFIG = "configs/paper.py:dense-small-twin"
+# The lock now knows a live holder from a dead one everywhere (onona_jax/train/lock.py), so there
+# is nothing left for the flag to break; kept so that old scripts get this answer.
+RETIRED_BREAK_LOCK = (
+    "--break_lock is retired: a workdir's lock is never taken from a run that is alive, and one left by a "
+    "run that died is taken without it (on local disk and NFS at once, the OS having released it; in a "
+    "bucket once its lease has gone unrenewed). Rerun without --break_lock; if the workdir is in use, "
+    "wait for that run, stop it, or use another --workdir")
 
 
 def define(fv, argv):
     flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>)", flag_values=fv)
-    flags.DEFINE_bool("break_lock", False, "take the workdir's lock from a train.py on another host that is "
-                      "gone (a dead process on this host is detected by itself)", flag_values=fv)
+    flags.DEFINE_bool("break_lock", False, "retired: a workdir's lock is never taken from a live run, and a "
+                      "dead run's is taken without it (README: What is guaranteed)", flag_values=fv)
     return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
 
 
 def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
+    if fv.break_lock:
+        raise cli.UsageError(RETIRED_BREAK_LOCK)
     from onona_jax import train
 
     cfg = fv.config
-    result = train.train(cfg, fv.workdir or f"runs/{cfg.name or 'default'}", break_lock=fv.break_lock)
+    result = train.train(cfg, fv.workdir or f"runs/{cfg.name or 'default'}")
     if result.get("preempted"):
         return
     line = "  ".join(f"{k}={v:.4f}" for k, v in result.items() if k.startswith("val_loss"))

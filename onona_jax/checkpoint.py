@@ -5,7 +5,9 @@ checkpoint either exists whole or not at all. Restoring tries the newest step fi
 cannot be read (a missing or damaged file, unparsable metadata), train.py moves it aside to
 `checkpoints/corrupt/` (never deleted), one warning paragraph is printed, and the step before
 is tried. Read-only readers (`saved_config`, `restore_params`: evaluation, generation, export,
-analysis, serving) skip it in memory and leave `checkpoints/` exactly as it was. A readable
+analysis, serving) skip it in memory and leave `checkpoints/` exactly as it was; on a run that
+is training they read the newest step, and if its rotation deletes that step during the read,
+they list the steps again and read the newest, once. A readable
 checkpoint of a different model (names, shapes, dtypes) is never "corrupt": it is a
 `CheckpointMismatch` error naming the difference.
 
@@ -41,6 +43,18 @@ from onona_jax import cli, paths
 class CheckpointMismatch(ValueError):
     """A readable checkpoint of a different model (names, shapes, dtypes): exit 2, never
     set aside."""
+
+
+class StepGone(ValueError):
+    """A step that is not (or no longer) there: asked for by number, or deleted while a
+    read-only reader read it (a running train.py keeps only its newest train.keep_checkpoints)."""
+
+
+def rotated_twice(directory, first: int, second: int) -> cli.Failure:
+    """The error of a read-only reader whose retry's step was deleted too (exit 1)."""
+    return cli.Failure(f"checkpoints at steps {first} and {second} in {directory} were deleted while being read: "
+                       "the run deletes steps faster than this reads them; raise its train.keep_checkpoints, or "
+                       "read after it ends")
 
 
 def _leaves(tree) -> dict:
@@ -108,13 +122,30 @@ def without_orbax_tracebacks():
     must include the wait for those threads (train's failure path: `Checkpoints.stop`): a
     report printed after it ends passes unfiltered, and a writer still running at interpreter
     exit fails again with "Event loop is closed" and "cannot schedule new futures after
-    interpreter shutdown" (how those tracebacks escaped when the filter covered the loop alone)."""
+    interpreter shutdown" (how those tracebacks escaped when the filter covered the loop alone).
+
+    A failed save also ends its thread's event loop while some of its TensorStore writes are
+    still in flight; their completion callbacks then find the loop closed, and TensorStore
+    reports each through sys.excepthook (PyErr_Print), from its own threads, several at once:
+    interleaved text no line filter can take apart. Those exceptions are dropped at the hook
+    (`_closed_loop_callback`: exactly that error, raised in `call_soon_threadsafe`)."""
     class NoOrbaxRecords(logging.Filter):  # Orbax logs each failed writer thread's traceback
         def filter(self, record):
             return "/orbax/" not in record.pathname.replace(os.sep, "/")
 
     previous, records = sys.stderr, NoOrbaxRecords()
+    hooks = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, value, tb):
+        if not _closed_loop_callback(value, tb):
+            hooks[0](kind, value, tb)
+
+    def unraisablehook(unraisable):
+        if not _closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
+            hooks[1](unraisable)
+
     sys.stderr = _WithoutOrbaxTracebacks(previous)
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
     loggers = [logging.getLogger(n) for n in ("absl", "")]
     for lg in loggers:
         lg.addFilter(records)
@@ -124,10 +155,23 @@ def without_orbax_tracebacks():
         yield
     finally:
         sys.stderr = previous
+        sys.excepthook, sys.unraisablehook = hooks
         for lg in loggers:
             lg.removeFilter(records)
             for handler in lg.handlers:
                 handler.removeFilter(records)
+
+
+def _closed_loop_callback(err, tb) -> bool:
+    """True for asyncio's RuntimeError('Event loop is closed') raised in `call_soon_threadsafe`:
+    a completion callback into an event loop that already ended."""
+    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
+        return False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _drop_orbax_leftovers():
@@ -386,7 +430,10 @@ class Checkpoints:
         Only a read failure (a missing or damaged file, unparsable metadata) makes a step
         unusable; a structure mismatch is a CheckpointMismatch (exit 2), never "corrupt". An
         unreadable newest step is set aside to `checkpoints/corrupt/` by a writer, skipped in
-        memory (left in place) by a read-only reader; either way with one warning paragraph."""
+        memory (left in place) by a read-only reader; either way with one warning paragraph.
+        A read-only reader whose step was deleted during the read (a live run rotating its
+        checkpoints) lists the steps again and reads the newest, once, with a note; `step`
+        deleted so is a StepGone (exit 2), as is a `step` that does not exist."""
         read = read or (lambda s: self.restore(s, abstract_state))
         if check is None and abstract_state is not None:
             check = lambda s: self.check_params(s, abstract_state["params"])  # noqa: E731
@@ -398,27 +445,49 @@ class Checkpoints:
 
         if step is not None:
             if step not in self.steps():
-                raise ValueError(f"no checkpoint at step {step} in {self.directory}; have {self.steps() or 'none'}")
+                raise StepGone(f"no checkpoint at step {step} in {self.directory}; have {self.steps() or 'none'}")
             try:
                 return attempt(step)
             except CheckpointMismatch:
                 raise
             except Exception as err:  # noqa: BLE001 - a read failure of the step asked for
+                if self._rotated_away(step):
+                    raise StepGone(f"checkpoint at step {step} in {self.directory} was deleted while it was read "
+                                   f"(a running train.py keeps only its newest); have {self.steps()}") from None
                 raise cli.Failure(f"checkpoint at step {step} in {self.directory} could not be read ({short_error(err)}); "
                                   f"omit --step to use the newest readable one (steps: {self.steps()})") from None
-        for candidate in reversed(self.steps()):
-            try:
-                return attempt(candidate)
-            except CheckpointMismatch:
-                raise
-            except Exception as err:  # noqa: BLE001 - any read failure means "not usable"
-                if self.read_only:
-                    fate = "left in place (this command only reads)"
-                else:
-                    fate = f"moved to {self._set_aside(candidate)}"
-                print(f"warning: checkpoint at step {candidate} could not be restored ({short_error(err)}); "
-                      f"{fate} and falling back to the one before", file=sys.stderr)
-        return None
+        gone = None  # a step deleted while it was read: list again and retry once, from the newest
+        while True:
+            for candidate in reversed(self.steps()):
+                try:
+                    return attempt(candidate)
+                except CheckpointMismatch:
+                    raise
+                except Exception as err:  # noqa: BLE001 - any read failure means "not usable"
+                    if self._rotated_away(candidate):
+                        break
+                    if self.read_only:
+                        fate = "left in place (this command only reads)"
+                    else:
+                        fate = f"moved to {self._set_aside(candidate)}"
+                    print(f"warning: checkpoint at step {candidate} could not be restored ({short_error(err)}); "
+                          f"{fate} and falling back to the one before", file=sys.stderr)
+            else:
+                return None
+            if gone is not None:
+                raise rotated_twice(self.directory, gone, candidate)
+            gone = candidate
+            if self.steps():
+                print(f"note: checkpoint at step {gone} was deleted while it was read (a running train.py keeps only "
+                      f"its newest); reading step {self.latest()}, the newest now", file=sys.stderr)
+
+    def _rotated_away(self, step: int) -> bool:
+        """After a failed read by a read-only reader: whether `step` is gone from a fresh listing
+        (a live run's rotation deleted it; its listing was a snapshot), not unreadable."""
+        if not self.read_only:
+            return False
+        self.manager.reload()
+        return step not in self.steps()
 
     def _set_aside(self, step: int) -> str:
         src = self.directory / str(step)
@@ -467,7 +536,7 @@ def _config(ckpts: Checkpoints, step: int):
 
     saved = ckpts.restore_config(step)
     try:
-        return config_lib.validate(config_lib.from_saved(saved, f"{ckpts.directory}/{step}"))
+        return config_lib.validate(config_lib.from_saved(saved, f"{ckpts.directory}/{step}"), training=False)
     except CheckpointMismatch:
         raise
     except ValueError as err:

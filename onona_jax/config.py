@@ -16,6 +16,7 @@ import ml_collections
 from onona_jax import heads as heads_lib
 from onona_jax import loss as loss_lib
 from onona_jax import models
+from onona_jax.models import gdn
 
 # The choices of model.arch and model.head come from the registries (one place each).
 ARCHS = tuple(models.FAMILIES)
@@ -115,13 +116,27 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Raise ValueError naming the key and the fix; return cfg unchanged otherwise."""
+def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collections.ConfigDict:
+    """Raise ValueError naming the key and the fix; return cfg unchanged otherwise.
+
+    Every number of the config must be finite (whatever its key, so a key added later is
+    covered too), and every value a run reads lies in its range: the model (the MoE and GDN
+    keys when the model has MoE or GDN layers: their families' `config_problems`), the
+    optimizer and its schedule, the data, the evaluation and the mesh. `training=False`: a
+    saved run's config for a reader (evaluation, serving, export), which reads no train.*
+    key, so a run trained under older, looser rules stays readable."""
     m = cfg.model
 
     def need(ok: bool, msg: str):
         if not ok:
             raise ValueError(f"config {cfg.get('name') or ''!s}: {msg}")
+
+    # First, so that no range check below reads a NaN (it compares False with every bound).
+    defaults = flatten(base_config())
+    for key, value in flatten(cfg).items():
+        if training or not key.startswith("train."):
+            need(not isinstance(value, float) or math.isfinite(value),
+                 f"{key}={value} is not a finite number; give a finite value (its default is {defaults.get(key)})")
 
     need(m.arch in ARCHS, f"unknown model.arch {m.arch!r}; choose one of {ARCHS}")
     need(m.head in HEADS, f"unknown model.head {m.head!r}; choose one of {HEADS}")
@@ -137,6 +152,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
     )
     need(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE")
+    need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive (RoPE's base, e.g. 10000.0)")
+    need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive (RMSNorm divides by sqrt(mean + eps))")
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
     need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
     need(m.attention_impl in ATTENTION_IMPLS,
@@ -144,6 +161,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(m.loss in ("fused", "fused_vocab", "plain"), f"model.loss {m.loss!r}: fused, fused_vocab or plain")
     need(m.loss_token_tile > 0, f"model.loss_token_tile={m.loss_token_tile} must be positive")
     need(m.loss_chunk > 0, f"model.loss_chunk={m.loss_chunk} must be positive")
+    need(m.mos_components >= 1, f"model.mos_components={m.mos_components} must be at least 1 (K of the mos/moss heads)")
     pattern = models.layer_pattern(m)
     need(
         set(pattern) <= set(models.MIXERS),
@@ -153,25 +171,54 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         m.n_layers % len(pattern) == 0,
         f"model.n_layers={m.n_layers} is not a multiple of the layer pattern's length {len(pattern)}",
     )
-    for problem in models.family(m).validate(m):
+    for problem in models.family(m).validate(m) + (gdn.config_problems(m) if "gdn" in pattern else []):
         need(False, problem)
     need(m.vocab_size >= 50257, f"model.vocab_size={m.vocab_size} is below GPT-2's 50,257 tokens")
+    if training:
+        _validate_training(cfg, need, defaults)
+    need(cfg.data.seq_len > 0, f"data.seq_len={cfg.data.seq_len} must be positive (tokens per window)")
+    need(cfg.eval.windows > 0, f"eval.windows={cfg.eval.windows} must be positive")
+    need(cfg.eval.batch > 0, f"eval.batch={cfg.eval.batch} must be positive")
+    need(cfg.eval.seed >= 0, f"eval.seed={cfg.eval.seed} must be zero or positive")
+    sizes = {f"mesh.{k}": cfg.mesh[k] for k in ("data", "fsdp", "tensor")}
+    for key, size in sizes.items():
+        need(size > 0 or size == -1, f"{key}={size} must be positive, or -1 (the devices the other axes leave)")
+    need(list(sizes.values()).count(-1) <= 1,
+         f"{', '.join(f'{k}={v}' for k, v in sizes.items())}: at most one mesh axis may be -1")
+    return cfg
+
+
+def _validate_training(cfg, need, defaults):
+    """What only training reads: the train.* keys (the step budget, the batch, the schedule,
+    AdamW and the clip) and the seeds of the initialisation and the data order."""
+    # jax.random.key and the data order take 32 bits (key(2**32) is key(0)).
+    need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must lie in [0, 2**32)")
+    need(0 <= cfg.data.seed < 2**32, f"data.seed={cfg.data.seed} must lie in [0, 2**32)")
     t = cfg.train
     need(t.steps >= 0, f"train.steps={t.steps} must be positive (or 0: derived from train.tokens_per_param)")
     need(t.steps > 0 or t.tokens_per_param > 0,
          f"train.tokens_per_param={t.tokens_per_param} must be positive when train.steps=0 derives the budget")
-    need(t.lr > 0, f"train.lr={t.lr} must be positive (a negative one ascends the loss)")
-    need(t.final_lr >= 0, f"train.final_lr={t.final_lr} must be zero or positive")
     need(t.global_batch > 0, f"train.global_batch={t.global_batch} must be positive (sequences per step)")
     need(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be positive, or 0 for no accumulation")
+    # The schedule (optimizer.wsd): warmup to lr, constant, linear decay to final_lr.
+    need(t.lr > 0, f"train.lr={t.lr} must be positive (a negative one ascends the loss)")
+    need(0 <= t.final_lr <= t.lr,
+         f"train.final_lr={t.final_lr} must lie in [0, train.lr={t.lr}] (where the decay ends; above train.lr "
+         "the schedule would never decay): lower train.final_lr with train.lr")
     need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be zero or positive")
     need(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must lie in [0, 1]")
+    # AdamW (optax.adamw) and the gradient clip before it.
+    for key in ("b1", "b2"):
+        need(0 <= t[key] < 1, f"train.{key}={t[key]} must lie in [0, 1) (Adam's moment decay rate; "
+             f"default {defaults[f'train.{key}']})")
+    need(t.eps > 0, f"train.eps={t.eps} must be positive (Adam divides by sqrt(v) + eps; default {defaults['train.eps']})")
+    need(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be zero (off) or positive")
+    need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be positive (the largest global gradient norm) "
+         "or 0 (no clipping); a negative one reverses the gradient")
     for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
         need(t[key] > 0, f"train.{key}={t[key]} must be positive (a number of steps, or checkpoints kept)")
-    need(cfg.data.seq_len > 0, f"data.seq_len={cfg.data.seq_len} must be positive (tokens per window)")
-    need(cfg.eval.windows > 0, f"eval.windows={cfg.eval.windows} must be positive")
-    need(cfg.eval.batch > 0, f"eval.batch={cfg.eval.batch} must be positive")
-    return cfg
+    need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be positive (per device, for MFU) "
+         "or 0 (looked up from the device kind)")
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -183,7 +230,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 # README ("Resuming with a changed config").
 RESUMABLE_KEYS = (
     "name",                  # a label
-    "train.steps",           # train on (more steps); never below the checkpoint's step
+    "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)
+    "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (loop.check_same_data)
     "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.peak_tflops",     # MFU's denominator
     "train.micro_batch",     # gradient accumulation: the same global batch in other slices
@@ -254,6 +302,12 @@ def define_flag(fv, argv, default: str | None = "configs/paper.py:dense-small-tw
 
     from onona_jax.cli import UsageError
 
+    spec = _spec(argv, default, name)
+    if spec is not None:  # config_flags would put a traceback into its message, or defer the error
+        try:
+            from_spec(spec)
+        except ValueError as err:
+            raise UsageError(f"--{name}={spec}: {err}") from None
     try:
         config_flags.DEFINE_config_file(name, default, "configs/<file>.py:<arg>", flag_values=fv,
                                         lock_config=True, sys_argv=list(argv))
@@ -275,19 +329,24 @@ def overridden(cfg, argv, name: str = "config") -> dict:
     return out
 
 
-def unknown_override(argv, default: str | None, name: str = "config") -> str | None:
-    """The error for an override of a config key that does not exist (ml-collections raises
-    a bare AttributeError/KeyError from deep inside), or None."""
-    import difflib
-
+def _spec(argv, default: str | None, name: str = "config") -> str | None:
+    """The `--<name>=` spec of a command line (the last one given), else `default`."""
     spec = default
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):
             spec = arg[len(name) + 3:]
         elif arg == f"--{name}" and i + 1 < len(argv):
             spec = argv[i + 1]
+    return spec
+
+
+def unknown_override(argv, default: str | None, name: str = "config") -> str | None:
+    """The error for an override of a config key that does not exist (ml-collections raises
+    a bare AttributeError/KeyError from deep inside), or None."""
+    import difflib
+
     try:
-        cfg = load(spec)
+        cfg = load(_spec(argv, default, name))
     except Exception:  # noqa: BLE001 - not an unknown key after all: the original error speaks
         return None
     for arg in argv:
@@ -311,10 +370,50 @@ def unknown_override(argv, default: str | None, name: str = "config") -> str | N
 
 def load(spec: str) -> ml_collections.ConfigDict:
     """`configs/paper.py:dense-142m-twin` -> the validated ConfigDict (as config_flags would)."""
+    try:
+        cfg = from_spec(spec)
+    except ValueError as err:
+        raise ValueError(f"config {spec}: {err}") from None
+    return validate(cfg)
+
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def _config_files() -> str:
+    """Where the config files are, for a message."""
+    files = sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".py")) if os.path.isdir(CONFIGS_DIR) else []
+    where = os.path.relpath(CONFIGS_DIR) if not os.path.relpath(CONFIGS_DIR).startswith("..") else CONFIGS_DIR
+    return f"the config files are in {where}/: {', '.join(files) or 'none'}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = (str(err).strip().splitlines() or [""])[0]
+    return text if isinstance(err, ValueError) and text else f"{type(err).__name__}: {text}".rstrip(": ")
+
+
+def from_spec(spec: str) -> ml_collections.ConfigDict:
+    """`<file>.py[:<arg>]` -> the file's `get_config(arg)` (unvalidated), as config_flags reads
+    it. Whatever goes wrong (no such file, a file that fails to load, a name get_config does
+    not know) is one ValueError line that says where the valid names are, never a traceback."""
     path, _, arg = spec.partition(":")
-    if not os.path.exists(path):
-        raise ValueError(f"config file {path!r} not found")
-    module_spec = importlib.util.spec_from_file_location("_onona_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return validate(module.get_config(arg) if arg else module.get_config())
+    if not os.path.isfile(path):
+        raise ValueError(f"no config file {path!r}; {_config_files()}")
+    try:
+        module_spec = importlib.util.spec_from_file_location("_onona_config", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - any error of the file's own code
+        raise ValueError(f"{path} fails to load ({_first_line(err)}); fix it or choose another "
+                         f"({_config_files()})") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise ValueError(f"{path} defines no get_config(); {_config_files()}")
+    doc = (module.__doc__ or "").strip().splitlines()
+    names = f"{path}'s get_config defines the names" + (f" ({doc[0].rstrip('.')})" if doc else "")
+    try:
+        cfg = module.get_config(arg) if arg else module.get_config()
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"{_first_line(err)}; {names}") from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ValueError(f"{path}'s get_config({arg!r}) returned {type(cfg).__name__}, not a ConfigDict")
+    return cfg

@@ -6,7 +6,7 @@ backend is fsspec (`gcsfs` for gs://: `pip install -e '.[gcs]'`). What each stor
 
 * local disk / NFS: a file is written under a private temporary name, fsynced, then renamed over
   its target: a reader sees the old file or the new one, never half of one. Exclusive create
-  (the workdir lock) is a hard link that fails if the name exists.
+  is a hard link that fails if the name exists. (The workdir lock is train/lock.py's own.)
 * object stores (GCS, S3): a file is one object upload; an object appears whole or not at all and
   replaces the previous version in one step, so the same guarantee holds without a rename.
   Exclusive create is a conditional upload (`ifGenerationMatch=0` on GCS: fsspec's

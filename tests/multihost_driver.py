@@ -6,8 +6,11 @@ Before train.py starts (and joins the other processes through `platform.initiali
 wraps two functions of this process only (no package code changes):
 
 - `pipeline.WindowSource.__getitem__`: every *training* window index this process reads;
-- `trainer.global_batch`: the local rows it feeds each step, and which rows of the global
-  batch this process's devices hold.
+- `global_batch` (onona_jax/train/step.py): the local rows it feeds each step, and which rows
+  of the global batch this process's devices hold. It is replaced under every name any
+  `onona_jax` module holds it by (`from ... import global_batch` binds a second name, which a
+  patch of one module misses: that once made this test record nothing), and the record is
+  refused unless it holds one batch per step.
 
 On exit it writes `<dir>/record-<process index>.npz` with `ids`, `fed` [steps, rows, T+1],
 `rows` [steps, rows], `process_index`, `process_count`, `local_devices`, `devices`.
@@ -23,9 +26,23 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def replace_everywhere(original, replacement) -> list[str]:
+    """Rebind every module-level name of a loaded `onona_jax` module that holds `original`;
+    returns the names rebound."""
+    rebound = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("onona_jax") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, attr, replacement)
+                    rebound.append(f"{name}.{attr}")
+    return rebound
+
+
 def install_hooks():
-    from onona_jax import train as trainer
+    import onona_jax.train  # noqa: F401 - loads every module that may bind global_batch
     from onona_jax.data import pipeline
+    from onona_jax.train import loop, step
 
     record = {"ids": [], "fed": [], "rows": []}
     lock = threading.Lock()  # grain reads on its own thread(s)
@@ -37,7 +54,7 @@ def install_hooks():
                 record["ids"].append(int(index))
         return get_window(self, index)
 
-    make_global = trainer.global_batch
+    make_global = step.global_batch
 
     def recording_global_batch(run, local):
         arr = make_global(run, local)
@@ -48,13 +65,18 @@ def install_hooks():
         return arr
 
     pipeline.WindowSource.__getitem__ = recording_getitem
-    trainer.global_batch = recording_global_batch
+    rebound = replace_everywhere(make_global, recording_global_batch)
+    if loop.global_batch is not recording_global_batch:  # the name the training loop calls
+        sys.exit(f"multihost_driver: could not hook the loop's global_batch (rebound {rebound})")
     return record
 
 
-def write(record, out_dir):
+def write(record, out_dir, steps: int):
     import jax
 
+    if len(record["fed"]) != steps:
+        sys.exit(f"multihost_driver: recorded {len(record['fed'])} fed batches for {steps} steps: the hook on "
+                 "global_batch missed the training loop's calls")
     path = os.path.join(out_dir, f"record-{jax.process_index()}.npz")
     np.savez(
         path + ".tmp.npz",
@@ -80,7 +102,7 @@ def main():
     except SystemExit as exit_:  # absl's app.run always exits
         code = exit_.code
     if code in (0, None):
-        write(record, out_dir)
+        write(record, out_dir, int(os.environ["ONONA_TEST_STEPS"]))
     sys.exit(code)
 
 

@@ -84,6 +84,8 @@ def test_transformers_matches_jax(arch, head, exported):
     plain = {"dense": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM"}
     expected = plain[arch] if arch in plain and head in ("standard", "untied") else "OnonaForCausalLM"
     assert type(e.hf).__name__ == expected
+    # every file it wrote (tokenizer's included) is one an export's --overwrite replaces
+    assert sorted(os.listdir(e.out)) == e.files and set(e.files) <= set(hf_format.EXPORT_FILES)
     if type(e.hf).__name__ == "OnonaForCausalLM":  # the code travels with the folder
         assert {"configuration_onona.py", "modeling_onona.py"} <= set(os.listdir(e.out))
         assert json.load(open(os.path.join(e.out, "config.json")))["auto_map"] == hf_format.AUTO_MAP

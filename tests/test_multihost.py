@@ -74,7 +74,7 @@ class Launch:
         env = {k: v for k, v in os.environ.items()
                if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                             "ONONA_DISTRIBUTED")}
-        env.update(JAX_PLATFORMS="cpu", ONONA_TEST_RECORD=str(self.record_dir),
+        env.update(JAX_PLATFORMS="cpu", ONONA_TEST_RECORD=str(self.record_dir), ONONA_TEST_STEPS=str(STEPS),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
         if processes > 1:
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",

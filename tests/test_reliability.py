@@ -4,7 +4,8 @@ checkpoints/, storage failures are one `error:` line, and bad values are refused
 
 Fast tests call the entry points in-process (`train.main(argv)`, `eval.main(argv)` return
 exit codes) on a run whose checkpoints are written directly (`Checkpoints.save` of a fresh
-train state: no training step compiled). Tests that need real training run train.py in a
+train state: no training step compiled), and hold workdir locks from small subprocesses
+(`HOLD`: lock.py alone, no jax). Tests that need real training run train.py in a
 subprocess; the two-process lock test stays in the default suite, the storage-fault one (a
 tmpfs workdir that fills up) is marked slow: `python -m pytest -q -m slow tests/test_reliability.py`.
 """
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import eval as eval_cli
@@ -32,7 +34,8 @@ from onona_jax import paths
 from onona_jax import train as trainer
 from onona_jax.checkpoint import CheckpointMismatch, Checkpoints, restore_params, saved_config
 from onona_jax.train import loop
-from onona_jax.train.lock import WorkdirLock, _proc_start
+from onona_jax.train import lock as lock_lib
+from onona_jax.train.lock import WorkdirLock
 
 CONFIG = os.path.join(REPO, "configs/paper.py:dense-tiny-standard")
 OVERRIDES = {
@@ -110,43 +113,204 @@ def damage_arrays(workdir: Path, step: int):
 # ----------------------------------------------------------------------------- 1. the lock
 
 
-def lock_info(pid, host=None, proc_start="auto"):
-    return {"host": host or socket.gethostname(), "pid": pid,
-            "proc_start": _proc_start(pid) if proc_start == "auto" else proc_start,
-            "started": time.time(), "argv": ["train.py"]}
+# A process that holds a workdir's lock for `seconds`, then releases it: lock.py loaded alone
+# (it needs paths and cli, not jax), so it holds the lock within half a second of starting.
+HOLD = """import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location('lock', sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+try:
+    lock = m.WorkdirLock(sys.argv[2]).acquire()
+except ValueError as e:
+    print('refused', e, flush=True); sys.exit(2)
+print('held', flush=True); time.sleep(float(sys.argv[3])); lock.release()
+"""
+LOCK_PY = os.path.join(REPO, "onona_jax/train/lock.py")
 
 
-def test_second_train_exits_2_naming_the_holder(tiny_data, copy_run, capfd):
-    """A live process on this host holds the lock: train.py exits 2 with one error line naming
-    its pid and the fix, and writes nothing (the workdir byte for byte as it was)."""
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def hold(workdir, seconds=60.0, prefix=()):
+    """Start a holder of `workdir`'s lock and return it once it holds the lock."""
+    p = subprocess.Popen([*prefix, sys.executable, "-c", HOLD, LOCK_PY, str(workdir), str(seconds)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if line != "held\n":
+        p.kill()
+        raise AssertionError(f"the holder did not take the lock: {line}{p.communicate()[1][-2000:]}")
+    return p
+
+
+@pytest.fixture
+def holders():
+    started = []
+
+    def start(*args, **kwargs):
+        started.append(hold(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+def refused(workdir) -> str:
+    """The error of another process asking for `workdir`'s lock (it must be refused)."""
+    with pytest.raises(ValueError) as err:
+        WorkdirLock(str(workdir)).acquire()
+    return str(err.value)
+
+
+def test_second_train_exits_2_naming_the_holder(tiny_data, copy_run, holders, capfd):
+    """A live process holds the lock: train.py exits 2 with one error line naming its pid and
+    the fix, and writes nothing (the workdir byte for byte as it was)."""
+    holder = holders(copy_run)
+    before = tree_digest(copy_run)
+    rc = train_cli.main(argv(tiny_data, copy_run))
+    err = capfd.readouterr().err
+    assert rc == 2, err[-2000:]
+    [line] = errors(err)
+    assert f"pid {holder.pid} on host {socket.gethostname()}" in line and "another --workdir" in line, line
+    assert tree_digest(copy_run) == before
+
+
+def test_holder_in_another_pid_namespace_is_alive(tiny_data, copy_run, holders, capfd):
+    """The issue's repro: a holder in its own PID namespace (`unshare --pid`, as in a container
+    sharing the host's name) is pid 1 there. The lock's liveness is the OS lock, not that pid:
+    train.py exits 2 naming it, writes nothing, and the holder still holds the lock."""
+    unshare = ("unshare", "--pid", "--fork", "--kill-child", "--mount-proc")
     try:
-        (copy_run / "lock.json").write_text(json.dumps(lock_info(holder.pid)))
-        before = tree_digest(copy_run)
-        rc = train_cli.main(argv(tiny_data, copy_run))
-        err = capfd.readouterr().err
-        assert rc == 2, err[-2000:]
-        [line] = errors(err)
-        assert f"pid {holder.pid} on host {socket.gethostname()}" in line and "another --workdir" in line, line
-        assert tree_digest(copy_run) == before
-    finally:
-        holder.kill()
-        holder.wait()
+        probe = subprocess.run([*unshare, "true"], capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.strip()}")
+    holders(copy_run, prefix=unshare)
+    before = tree_digest(copy_run)
+    rc = train_cli.main(argv(tiny_data, copy_run))
+    err = capfd.readouterr().err
+    assert rc == 2, err[-2000:]
+    [line] = errors(err)
+    assert f"pid 1 on host {socket.gethostname()} (in another PID namespace" in line, line
+    assert "stale" not in err and tree_digest(copy_run) == before
+    assert "pid 1 on host" in refused(copy_run)
+
+
+def test_break_lock_is_refused_and_the_holder_keeps_the_lock(tiny_data, copy_run, holders, capfd):
+    """--break_lock is retired (a live holder's lock is never taken; a dead one's needs no flag):
+    exit 2 saying so, nothing written, and the live holder still holds the lock."""
+    holder = holders(copy_run)
+    before = tree_digest(copy_run)
+    assert train_cli.main(argv(tiny_data, copy_run, "--break_lock")) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert line == f"error: {train_cli.RETIRED_BREAK_LOCK}"
+    assert tree_digest(copy_run) == before
+    assert f"pid {holder.pid} on host" in refused(copy_run)
+
+
+def test_killed_holders_lock_is_free_at_once(tmp_path, holders, capfd):
+    """SIGKILL: the OS releases the lock; the next locker takes it at once, silently (no pid
+    guessing, no warning), and removes lock.json when it is done."""
+    holder = holders(tmp_path)
+    holder.kill()
+    holder.wait()
+    assert (tmp_path / "lock.json").exists()  # left behind, but no longer locked
+    t = time.perf_counter()
+    lock = WorkdirLock(str(tmp_path)).acquire()
+    assert time.perf_counter() - t < 1
+    assert json.loads((tmp_path / "lock.json").read_text())["pid"] == os.getpid()
+    lock.check()  # reading lock.json above did not release it (a POSIX lock would have been)
+    assert "pid" in refused(tmp_path)
+    lock.release()
+    assert not (tmp_path / "lock.json").exists() and capfd.readouterr().err == ""
+
+
+def test_lock_file_removed_by_hand_is_noticed(tmp_path, monkeypatch):
+    """A holder whose lock.json is deleted (another run could then lock a new one) notices
+    within one heartbeat and `check()` stops it."""
+    monkeypatch.setenv("ONONA_LOCK_LEASE_S", "0.4")
+    lock = WorkdirLock(str(tmp_path)).acquire()
+    (tmp_path / "lock.json").unlink()
+    assert until(lambda: lock.lost is not None)
+    with pytest.raises(lock_lib.LockLost, match=r"lock.json was removed or replaced while this run held it"):
+        lock_lib.check()
+    lock.release()
+
+
+@pytest.mark.slow
+def test_training_stops_at_the_step_after_its_lock_is_lost(tiny_data, tmp_path, monkeypatch, capfd):
+    """The loop asks the lock at every step: a run whose lock is lost (here at once, as the
+    heartbeat reports lock.json removed by hand or a bucket lease taken over) exits 1 with one
+    error line before its first step, saving nothing. Slow (~20 s: a fresh state and evaluator
+    are built before the first step)."""
+    def lose(lock):
+        lock.lost = "lost for this test"
+
+    monkeypatch.setattr(WorkdirLock, "_heartbeat", lose)
+    workdir = tmp_path / "wd"
+    rc = train_cli.main(argv(tiny_data, workdir))
+    err = capfd.readouterr().err
+    assert rc == 1, err[-2000:]
+    [line] = errors(err)
+    assert line.startswith(f"error: this run lost its lock on {workdir}: lost for this test; stopped before "
+                           "writing more") and "rerun the same command" in line, line
+    assert not list((workdir / "checkpoints").glob("[0-9]*")) and not (workdir / "lock.json").exists()
+
+
+def test_lock_on_a_full_disk_leaves_nothing(tmp_path):
+    """The holder's details cannot be written (files limited to 8 bytes): OSError, and no
+    lock.json or temporary file is left behind."""
+    script = ("import importlib.util, resource, signal, sys\n"
+              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (8, 8))\n"
+              "spec = importlib.util.spec_from_file_location('lock', sys.argv[1])\n"
+              "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+              "try:\n    m.WorkdirLock(sys.argv[2]).acquire()\nexcept OSError as e:\n    print(e.errno)\n")
+    p = subprocess.run([sys.executable, "-c", script, LOCK_PY, str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert p.stdout.strip() in (str(errno.EFBIG), str(errno.ENOSPC)), p.stdout + p.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_import_hf_beside_a_held_lock_writes_nothing(tmp_path, holders, capfd):
+    """import_hf is a writer too: beside a live holder it exits 2 naming it, and the workdir
+    is as it was (no config.json, no checkpoints/)."""
+    from onona_jax import models as model_lib
+    from onona_jax.serve import hf_format
+    from onona_jax.train import import_hf
+
+    cfg = tiny_config(str(tmp_path / "no-data"), head="twin")
+    shapes = jax.eval_shape(lambda: model_lib.init(cfg.model, 0)[1])  # zeros do: nothing is computed
+    hf_format.export(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), cfg, str(tmp_path / "hf"),
+                     tokenizer=False)
+    workdir = tmp_path / "run"
+    holder = holders(workdir)
+    before = tree_digest(workdir)
+    assert import_hf.main([f"--from_hf={tmp_path / 'hf'}", f"--workdir={workdir}"]) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert f"pid {holder.pid} on host" in line and "another --workdir" in line, line
+    assert tree_digest(workdir) == before == {"lock.json": before["lock.json"]}
+
+
+def test_second_sweep_on_a_directory_exits_2(tmp_path, holders, capfd):
+    """The sweep writes grid.json, sweep_status.json and its runs' logs in its directory: a second
+    sweep there (held here by another process) exits 2 naming it and writes nothing."""
+    from onona_jax.experiments import sweep
+
+    holder = holders(tmp_path / "sweep")
+    rc = sweep.main(["--grid=depth", "--size=small", "--seeds=0", f"--workdir={tmp_path / 'sweep'}",
+                     f"--emit={tmp_path / 'commands.sh'}"])
+    [line] = errors(capfd.readouterr().err)
+    assert rc == 2 and f"pid {holder.pid} on host" in line, line
+    assert sorted(os.listdir(tmp_path / "sweep")) == ["lock.json"] and not (tmp_path / "commands.sh").exists()
 
 
 @pytest.mark.parametrize("where", ["local", "bucket"])
-def test_concurrent_lockers_exactly_one_wins(tmp_path, where, request):
+def test_concurrent_lockers_exactly_one_wins(tmp_path, where, request, monkeypatch):
     """Four processes race for one workdir's lock: exactly one holds it, the others are refused
     naming that one's pid. In a bucket (the local GCS emulator) the store's conditional create
-    decides."""
+    decides, and the losers are refused once they see the winner renew its lease."""
+    monkeypatch.setenv("ONONA_LOCK_LEASE_S", "2")
     wd = f"{request.getfixturevalue('fake_gcs')}/wd" if where == "bucket" else str(tmp_path / "wd")
-    script = ("import importlib.util, sys, time\n"  # lock.py and paths.py: no jax
-              f"spec = importlib.util.spec_from_file_location('lock', {os.path.join(REPO, 'onona_jax/train/lock.py')!r})\n"
-              "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); WorkdirLock = m.WorkdirLock\n"
-              "try:\n    lock = WorkdirLock(sys.argv[1]).acquire()\nexcept ValueError as e:\n"
-              "    print('refused', e); sys.exit(2)\nprint('held'); sys.stdout.flush(); time.sleep(4); lock.release()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", script, wd], stdout=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD, LOCK_PY, wd, "4"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(4)]
     outs = [(p.pid, p.communicate(timeout=120)[0], p.returncode) for p in procs]
     winners = [pid for pid, out, rc in outs if rc == 0 and out.startswith("held")]
     assert len(winners) == 1, outs
@@ -156,30 +320,83 @@ def test_concurrent_lockers_exactly_one_wins(tmp_path, where, request):
     assert not paths.exists(f"{wd}/lock.json")  # released at exit
 
 
-def test_stale_lock_on_this_host_is_replaced(tmp_path, capfd):
-    """A dead pid, or a live pid whose process start differs (the pid was reused): replaced
-    with a warning; the lock is ours until released, then gone."""
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    for info in (lock_info(dead.pid, proc_start="1"), lock_info(os.getpid(), proc_start="1")):
-        wd = tmp_path / str(info["pid"])
-        wd.mkdir()
-        (wd / "lock.json").write_text(json.dumps(info))
-        lock = WorkdirLock(str(wd)).acquire()
-        assert json.loads((wd / "lock.json").read_text())["pid"] == os.getpid()
-        assert f"replacing a stale lock on {wd} left by pid {info['pid']}" in capfd.readouterr().err
-        lock.release()
-        assert not (wd / "lock.json").exists()
+def _generation(url):
+    fs, _ = paths._fs(url)
+    return fs.info(url)["generation"]
 
 
-def test_lock_from_another_host_needs_break_lock(tmp_path, capfd):
-    (tmp_path / "lock.json").write_text(json.dumps(lock_info(12345, host="node-7", proc_start=None)))
-    with pytest.raises(ValueError, match=r"pid 12345 on host node-7.*rerun with --break_lock"):
-        WorkdirLock(str(tmp_path)).acquire()
-    lock = WorkdirLock(str(tmp_path), break_lock=True).acquire()
-    assert "--break_lock: took the lock" in capfd.readouterr().err
-    assert json.loads((tmp_path / "lock.json").read_text())["pid"] == os.getpid()
+def test_bucket_lease_of_a_live_holder_is_renewed_and_kept(fake_gcs, holders, monkeypatch):
+    """A live holder renews its lease (the object's generation changes several times per lease);
+    another locker watching it is refused within about one renewal, naming it, and the holder
+    keeps the lease."""
+    monkeypatch.setenv("ONONA_LOCK_LEASE_S", "2")
+    wd = f"{fake_gcs}/wd"
+    holder = holders(wd)
+    seen = {_generation(f"{wd}/lock.json")}
+    for _ in range(4):
+        time.sleep(0.3)
+        seen.add(_generation(f"{wd}/lock.json"))
+    assert len(seen) >= 3, seen  # renewed every 2/12 s
+    t = time.perf_counter()
+    err = refused(wd)
+    assert f"pid {holder.pid} on host" in err and "keeps renewing its lease" in err, err
+    assert time.perf_counter() - t < 1.5
+    time.sleep(0.5)
+    assert holder.poll() is None and _generation(f"{wd}/lock.json") not in seen
+
+
+def test_bucket_lease_of_a_killed_holder_is_taken_after_the_lease(fake_gcs, holders, monkeypatch, capfd):
+    """SIGKILL leaves the lease object; the next locker watches it, and takes it over once it
+    has gone the lease (2 s here) without renewal, saying from whom."""
+    monkeypatch.setenv("ONONA_LOCK_LEASE_S", "2")
+    wd = f"{fake_gcs}/wd"
+    holder = holders(wd)
+    holder.kill()
+    holder.wait()
+    t = time.perf_counter()
+    lock = WorkdirLock(wd).acquire()
+    took = time.perf_counter() - t
+    assert 2 <= took < 5, took
+    err = capfd.readouterr().err
+    assert f"took the lock on {wd} from a Python process (pid {holder.pid} on host" in err, err
+    assert "not renewed for 2 s" in err
+    assert json.loads(paths.read_text(f"{wd}/lock.json"))["token"] == lock.info["token"]
     lock.release()
+    assert not paths.exists(f"{wd}/lock.json")
+
+
+def test_bucket_holder_that_cannot_renew_stops(fake_gcs, _gcs_emulator, monkeypatch):
+    """The store unreachable for more than half the lease (the emulator paused): `check()` raises
+    LockLost (the training loop calls it at every step), well before another process could take
+    the lease. A lease taken away (the object removed) is noticed at the next renewal."""
+    monkeypatch.setenv("ONONA_LOCK_LEASE_S", "1")
+    wd = f"{fake_gcs}/wd"
+    lock = WorkdirLock(wd).acquire()
+    with _gcs_emulator.lock:  # every request waits
+        time.sleep(0.8)
+        with pytest.raises(lock_lib.LockLost, match=r"lost its lock on gs:.*: its lease on .*lock.json has not "
+                           r"been renewed for [\d.]+ s of its 1 s"):
+            lock_lib.check()
+    assert until(lambda: lock_lib.check() is None)  # renewed again, and nobody took it meanwhile
+    paths.remove(f"{wd}/lock.json")
+    assert until(lambda: lock.lost == f"{wd}/lock.json was removed")
+    with pytest.raises(lock_lib.LockLost, match=r"lock.json was removed"):
+        lock_lib.check()
+    lock.release()
+
+
+def until(condition, seconds=5.0) -> bool:
+    """Whether `condition()` holds (without raising) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if condition():
+                return True
+        except Exception:  # noqa: BLE001
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------- 2-3. changed configs
@@ -187,7 +404,7 @@ def test_lock_from_another_host_needs_break_lock(tmp_path, capfd):
 
 @pytest.mark.parametrize("spec,overrides,key", [
     (CONFIG, {"model.d_model": 128}, "model.d_model: 64 → 128"),  # parameters
-    (CONFIG, {"train.lr": 1e-4}, "train.lr: 0.003 → 0.0001"),  # optimizer trajectory (issue 12 item 3)
+    (CONFIG, {"train.lr": 1e-3}, "train.lr: 0.003 → 0.001"),  # optimizer trajectory (issue 12 item 3)
     (CONFIG, {"data.seed": 7}, "data.seed: 0 → 7"),  # data stream
     (CONFIG, {"eval.windows": 4}, "eval.windows: 8 → 4"),  # what val_loss means
     (CONFIG.replace("standard", "twin"), {}, "model.head: 'standard' → 'twin'"),  # another config
@@ -206,12 +423,184 @@ def test_changed_config_exits_2_before_any_write(tiny_data, copy_run, capfd, spe
 
 def test_resumable_keys_pass_and_fewer_steps_do_not(tiny_data, run_dir):
     cfg = the_config(tiny_data)
-    cfg.train.update(steps=40, log_every=5, eval_every=7, checkpoint_every=3, keep_checkpoints=9, micro_batch=4)
+    cfg.train.update(log_every=5, eval_every=7, checkpoint_every=3, keep_checkpoints=9, micro_batch=4)
     cfg.eval.batch = 4
+    cfg.data.cache_dir = str(run_dir / "elsewhere")  # another cache of the same data
     loop.check_resume(cfg, trainer.setup(cfg, jax.devices()[:1]), str(run_dir))  # no error
     cfg.train.steps = 3
     with pytest.raises(ValueError, match=r"train.steps resolves to 3, below the checkpoint's step 4"):
         loop.check_resume(cfg, trainer.setup(cfg, jax.devices()[:1]), str(run_dir))
+
+
+def plan(workdir: Path, **train):
+    """Rewrite train.* keys of the config saved with each checkpoint: the run was planned so."""
+    for meta in (workdir / "checkpoints").glob("*/config/metadata"):
+        saved = json.loads(meta.read_text())
+        saved["train"].update(train)
+        meta.write_text(json.dumps(saved))
+
+
+def resumes(cfg, workdir: Path) -> bool:
+    try:
+        loop.check_resume(cfg, trainer.setup(cfg, jax.devices()[:1]), str(workdir))
+    except ValueError:
+        return False
+    return True
+
+
+def test_steps_may_change_until_the_decay_begins(tiny_data, copy_run):
+    """A new train.steps moves the WSD decay; it is accepted exactly while every step taken
+    keeps its learning rate (checkpoint at step 4: optimizer steps 0-3 taken)."""
+    from onona_jax.train import optimizer
+
+    cfg = the_config(tiny_data)
+    cfg.train.decay_fraction = 0.5
+    plan(copy_run, decay_fraction=0.5, steps=8)  # decay over steps 5-8 (lr 0.003 up to step 5)
+    for steps, ok in ((16, True), (5, True), (4, False)):  # 4: step 4 would decay (0.003 → 0.0003)
+        cfg.train.steps = steps
+        assert resumes(cfg, copy_run) == ok, steps
+        # the criterion itself: the old and the new schedule agree on the steps taken
+        same = [float(optimizer.schedule(cfg, 8)(c)) == float(optimizer.schedule(cfg, steps)(c)) for c in range(4)]
+        assert all(same) == ok
+    # A budget derived from tokens_per_param (train.steps=0, here 8 steps) is compared as the
+    # number it resolves to.
+    tpp = 7.5 * 8 * 32 / trainer.dense_standard_params(cfg)
+    plan(copy_run, steps=0, tokens_per_param=tpp)
+    for steps, ok in ((0, True), (8, True), (4, False)):
+        cfg.train.update(steps=steps, tokens_per_param=tpp)
+        assert resumes(cfg, copy_run) == ok, steps
+
+
+@pytest.mark.parametrize("planned,steps,words", [
+    (4, 8, "train.steps resolves to 8 but the run in {run} was planned for 4 steps and has taken 4; under the WSD "
+           "schedule that changes the learning rate of a step already taken (step 4: 0.0003 → 0.003): under one of "
+           "the two budgets the decay (over the last train.decay_fraction of the steps) begins by step 4. Either "
+           "keep train.steps=4 to finish the run as planned, or train the longer run in a new --workdir"),
+    (8, 4, "(step 4: 0.003 → 0.0003): under one of the two budgets the decay (over the last train.decay_fraction "
+           "of the steps) begins by step 4. Either keep train.steps=8 to finish the run as planned, or train "
+           "the shorter run in a new --workdir"),
+    (8, 3, "train.steps resolves to 3, below the checkpoint's step 4"),
+])
+def test_steps_change_that_alters_a_taken_step_exits_2(tiny_data, copy_run, capfd, planned, steps, words):
+    """The issue's case: a run planned for 4 steps, its decay over steps 3-4, extended to 8 at
+    its end, would restart the decay at the peak (lr 3e-4 at step 4, 3e-3 at step 5); or one
+    planned for 8 shortened to 4 at step 4 would have decayed at step 4. Exit 2 with the
+    choices, nothing written."""
+    plan(copy_run, decay_fraction=0.5, steps=planned)
+    before = tree_digest(copy_run)
+    rc = train_cli.main(argv(tiny_data, copy_run, **{"train.steps": steps, "train.decay_fraction": 0.5}))
+    err = capfd.readouterr().err
+    assert rc == 2, err[-2000:]
+    [line] = errors(err)
+    assert words.format(run=copy_run) in line, line
+    assert tree_digest(copy_run) == before
+
+
+def test_moved_data_resumes_and_other_data_does_not(tiny_data, copy_run, tmp_path, capfd):
+    """data.dir may change on resume when the data's identity (its manifest's shard list) is
+    the run's: a data dir moved away from where the run was trained (the record of its last
+    start vouches for it); data prepared otherwise is refused naming both data dirs."""
+    from onona_jax.data import storage
+    from onona_jax.data.prepare import prepare
+
+    old, moved = tmp_path / "old", tmp_path / "moved"
+    shutil.copytree(tiny_data, old)
+    storage.verify_once(old, copy_run)  # what the run's last start recorded
+    for meta in (copy_run / "checkpoints").glob("*/config/metadata"):
+        saved = json.loads(meta.read_text())
+        saved["data"]["dir"] = str(old)
+        meta.write_text(json.dumps(saved))
+    old.rename(moved)
+    cfg = the_config(str(moved))
+    assert resumes(cfg, copy_run)
+    (copy_run / "data_verified.json").unlink()  # no record, and the old dir gone: cannot tell
+    with pytest.raises(ValueError, match=rf"trained on {old}; cannot tell whether {moved} holds the same data"):
+        loop.check_resume(cfg, trainer.setup(cfg, jax.devices()[:1]), str(copy_run))
+    storage.verify_once(moved, copy_run)  # a start on the moved data records it again
+
+    other = tmp_path / "other"
+    prepare([str(Path(tiny_data).parent / "austen_head.txt")], str(other), heldout_fraction=0.2)
+    before = tree_digest(copy_run)
+    assert train_cli.main(argv(str(other), copy_run)) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert f"{copy_run} holds a run trained on {old}, but {other} holds other data" in line, line
+    assert "in a new --workdir" in line
+    assert tree_digest(copy_run) == before
+
+
+def test_bundled_data_is_identified_like_any_other(tiny_data, copy_run):
+    """data.dir="" (the bundled corpus, prepared into WORKDIR/data) is compared by identity
+    too: the same data named explicitly resumes; WORKDIR/data not yet prepared, with
+    data.dir="" as saved, resumes (it is prepared again)."""
+    from onona_jax.data import storage
+
+    for meta in (copy_run / "checkpoints").glob("*/config/metadata"):
+        saved = json.loads(meta.read_text())
+        saved["data"]["dir"] = ""
+        meta.write_text(json.dumps(saved))
+    cfg = the_config("")
+    assert resumes(cfg, copy_run)  # nothing prepared yet, nothing recorded: the same data.dir
+    shutil.copytree(tiny_data, copy_run / "data")
+    storage.verify_once(copy_run / "data", copy_run)
+    assert resumes(cfg, copy_run)
+    assert resumes(the_config(tiny_data), copy_run)  # the same shards elsewhere
+
+
+def test_replaced_shard_is_caught_at_the_next_start(tiny_data, copy_run, tmp_path, capfd):
+    """A shard replaced by other (valid) ids of the same size after the run's first start:
+    the next start exits 2 naming the shard, writing nothing (issue: it trained, exit 0)."""
+    import numpy as np
+
+    from onona_jax.data import storage
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    storage.verify_once(data, copy_run)  # the first start's record
+    shard = data / "train_00000.bin"
+    st = shard.stat()
+    ids = np.random.default_rng(0).integers(0, 50257, st.st_size // 2, dtype=np.uint16)
+    shard.write_bytes(ids.tobytes())
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as a copy made a second later would
+    before = tree_digest(copy_run)
+    assert train_cli.main(argv(str(data), copy_run)) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert f"shard {shard} ({st.st_size} bytes, sha256 " in line and "does not match" in line, line
+    assert "restore that shard, or run `python -m onona_jax.data.prepare" in line
+    assert tree_digest(copy_run) == before
+
+
+def test_shards_are_hashed_only_when_changed(tiny_data, tmp_path, monkeypatch):
+    """At every start each shard's size and mtime are compared with the record; only a changed
+    one is hashed (a touched one whose hash still matches updates the record); an untouched
+    resume reads no shard. A moved data dir is hashed again (the record vouches for its own
+    directory only)."""
+    from onona_jax.data import storage
+
+    hashed = []
+    real = storage.shard_sha256
+    monkeypatch.setattr(storage, "shard_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    data, run = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(tiny_data, data)
+    run.mkdir()
+
+    def start():
+        hashed.clear()
+        storage.verify_once(data, run)
+        return sorted(hashed)
+
+    assert start() == ["heldout_00000.bin", "train_00000.bin"]
+    record = json.loads((run / "data_verified.json").read_text())
+    assert record["identity"] == storage.data_identity(tiny_data)
+    assert start() == []  # untouched: nothing read
+    shard = data / "train_00000.bin"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    assert start() == ["train_00000.bin"]  # touched, same bytes: hashed once, recorded
+    assert start() == []
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    data = moved
+    assert start() == ["heldout_00000.bin", "train_00000.bin"]
+    assert start() == []
 
 
 def test_resumable_keys_are_listed_in_the_readme():
@@ -233,6 +622,21 @@ def test_config_of_an_older_version_is_filled_from_defaults(copy_run, capfd):
     meta.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"model.from_the_future.*newer onona-jax"):
         saved_config(str(copy_run))
+
+
+def test_run_saved_under_looser_rules_stays_readable(tiny_data, copy_run, capfd):
+    """A run trained before the optimizer's values were checked (here final_lr above lr, a
+    negative grad_clip) is still read by eval, serving and export (they read no train.* key);
+    resuming it is refused naming the key."""
+    plan(copy_run, lr=1e-4, final_lr=3e-4, grad_clip=-1.0)
+    cfg = saved_config(str(copy_run))
+    assert (cfg.train.lr, cfg.train.final_lr, cfg.model.head) == (1e-4, 3e-4, "standard")
+    before = tree_digest(copy_run)
+    rc = train_cli.main(argv(tiny_data, copy_run, **{"train.lr": 1e-4, "train.grad_clip": -1.0}))
+    assert rc == 2
+    [line] = errors(capfd.readouterr().err)
+    assert "train.final_lr=0.0003 must lie in [0, train.lr=0.0001]" in line, line
+    assert tree_digest(copy_run) == before
 
 
 # ----------------------------------------------------------------------------- 4. corrupt = unreadable
@@ -566,22 +970,130 @@ def test_eval_output_checked_before_the_work(run_dir, tmp_path, read_only, capfd
 # ----------------------------------------------------------------------------- 6. validation
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("train.steps", -5, "train.steps=-5 must be positive"),
-    ("train.lr", -1e-3, "train.lr=-0.001 must be positive"),
-    ("train.lr", 0.0, "train.lr=0.0 must be positive"),
-    ("train.checkpoint_every", 0, "train.checkpoint_every=0 must be positive"),
-    ("train.log_every", 0, "train.log_every=0 must be positive"),
-    ("train.eval_every", 0, "train.eval_every=0 must be positive"),
-    ("data.seq_len", 0, "data.seq_len=0 must be positive"),
-    ("train.global_batch", 0, "train.global_batch=0 must be positive"),
-])
-def test_bad_values_rejected_before_any_write(tiny_data, tmp_path, capfd, key, value, words):
+# (overrides, words of the one error line). NaN and inf are refused for any key, one the run
+# reads or not (model.moe.* on a dense model); ranges for every value a step reads. MoE and GDN
+# keys are checked when the model has such layers: those rows set model.arch (or a pattern with GDN).
+BAD_VALUES = [
+    ({"train.b1": "nan"}, "train.b1=nan is not a finite number"),
+    ({"train.weight_decay": "nan"}, "train.weight_decay=nan is not a finite number"),
+    ({"train.grad_clip": "nan"}, "train.grad_clip=nan is not a finite number"),
+    ({"model.rope_theta": "nan"}, "model.rope_theta=nan is not a finite number"),
+    ({"model.norm_eps": "nan"}, "model.norm_eps=nan is not a finite number"),
+    ({"train.lr": "inf"}, "train.lr=inf is not a finite number"),
+    ({"train.final_lr": "-inf"}, "train.final_lr=-inf is not a finite number"),
+    ({"model.moe.aux_coef": "nan"}, "model.moe.aux_coef=nan is not a finite number"),
+    ({"train.tokens_per_param": "inf"}, "train.tokens_per_param=inf is not a finite number"),
+    ({"train.grad_clip": -1}, "train.grad_clip=-1.0 must be positive (the largest global gradient norm) or 0"),
+    ({"train.b1": -0.1}, "train.b1=-0.1 must lie in [0, 1)"),
+    ({"train.b2": 2.0}, "train.b2=2.0 must lie in [0, 1)"),
+    ({"train.b2": 1.0}, "train.b2=1.0 must lie in [0, 1)"),
+    ({"train.eps": -1}, "train.eps=-1.0 must be positive"),
+    ({"train.eps": 0}, "train.eps=0.0 must be positive"),
+    ({"train.weight_decay": -0.1}, "train.weight_decay=-0.1 must be zero (off) or positive"),
+    ({"train.steps": -5}, "train.steps=-5 must be positive"),
+    ({"train.steps": 0, "train.tokens_per_param": 0}, "train.tokens_per_param=0.0 must be positive when train.steps=0"),
+    ({"train.lr": -1e-3}, "train.lr=-0.001 must be positive"),
+    ({"train.lr": 0.0}, "train.lr=0.0 must be positive"),
+    ({"train.final_lr": -1e-4}, "train.final_lr=-0.0001 must lie in [0, train.lr=0.003]"),
+    ({"train.final_lr": 0.01}, "train.final_lr=0.01 must lie in [0, train.lr=0.003]"),
+    ({"train.warmup_steps": -1}, "train.warmup_steps=-1 must be zero or positive"),
+    ({"train.decay_fraction": 1.5}, "train.decay_fraction=1.5 must lie in [0, 1]"),
+    ({"train.global_batch": 0}, "train.global_batch=0 must be positive"),
+    ({"train.micro_batch": -1}, "train.micro_batch=-1 must be positive, or 0"),
+    ({"train.checkpoint_every": 0}, "train.checkpoint_every=0 must be positive"),
+    ({"train.log_every": 0}, "train.log_every=0 must be positive"),
+    ({"train.eval_every": 0}, "train.eval_every=0 must be positive"),
+    ({"train.keep_checkpoints": 0}, "train.keep_checkpoints=0 must be positive"),
+    ({"train.peak_tflops": -1}, "train.peak_tflops=-1.0 must be positive (per device, for MFU) or 0"),
+    ({"model.rope_theta": 0}, "model.rope_theta=0.0 must be positive"),
+    ({"model.norm_eps": -1e-6}, "model.norm_eps=-1e-06 must be positive"),
+    ({"model.mos_components": 0}, "model.mos_components=0 must be at least 1"),
+    ({"model.arch": "moe", "model.moe.n_experts": 0}, "model.moe.n_experts=0 must be at least 1"),
+    ({"model.arch": "moe", "model.moe.top_k": 0}, "model.moe.top_k=0 must be in 1..n_experts (8)"),
+    ({"model.arch": "moe", "model.moe.top_k": 9}, "model.moe.top_k=9 must be in 1..n_experts (8)"),
+    ({"model.arch": "moe", "model.moe.d_expert": 0}, "model.moe.d_expert=0 must be positive"),
+    ({"model.arch": "moe", "model.moe.capacity_factor": 0}, "model.moe.capacity_factor=0.0 must be positive"),
+    ({"model.arch": "moe", "model.moe.eval_capacity_factor": -1}, "model.moe.eval_capacity_factor=-1.0 must be positive"),
+    ({"model.arch": "moe", "model.moe.aux_coef": -0.1}, "model.moe.aux_coef=-0.1 must be zero"),
+    ({"model.layer_pattern": "gdn,attention", "model.gdn.chunk": 0}, "model.gdn.chunk=0 must be positive"),
+    ({"model.layer_pattern": "gdn,attention", "model.gdn.conv_kernel": 0}, "model.gdn.conv_kernel=0 must be positive"),
+    ({"model.layer_pattern": "gdn,attention", "model.gdn.head_dim_k": 0}, "model.gdn.head_dim_k=0 must be positive"),
+    ({"model.arch": "attnres", "model.attnres.block_size": 0}, "model.attnres.block_size=0 must be ≥ 1"),
+    ({"data.seq_len": 0}, "data.seq_len=0 must be positive"),
+    ({"data.seed": -1}, "data.seed=-1 must lie in [0, 2**32)"),
+    ({"seed": 2**32}, "seed=4294967296 must lie in [0, 2**32)"),
+    ({"eval.seed": -1}, "eval.seed=-1 must be zero or positive"),
+    ({"eval.windows": 0}, "eval.windows=0 must be positive"),
+    ({"eval.batch": 0}, "eval.batch=0 must be positive"),
+    ({"mesh.fsdp": 0}, "mesh.fsdp=0 must be positive, or -1"),
+    ({"mesh.tensor": -2}, "mesh.tensor=-2 must be positive, or -1"),
+    ({"mesh.fsdp": -1}, "mesh.data=-1, mesh.fsdp=-1, mesh.tensor=1: at most one mesh axis may be -1"),
+]
+
+
+@pytest.mark.parametrize("overrides,words", BAD_VALUES,
+                         ids=[",".join(f"{k}={v}" for k, v in o.items()) for o, _ in BAD_VALUES])
+def test_bad_values_rejected_before_any_write(tiny_data, tmp_path, capfd, overrides, words):
+    """Exit 2, the one error line naming the key and its range, before anything is compiled
+    or written (the workdir is not created)."""
     workdir = tmp_path / "wd"
-    assert train_cli.main(argv(tiny_data, workdir, **{key: value})) == 2
+    assert train_cli.main(argv(tiny_data, workdir, **overrides)) == 2
     [line] = errors(capfd.readouterr().err)
     assert words in line, line
     assert not workdir.exists()
+
+
+def test_every_float_key_is_checked_for_finite_values():
+    """The finite check walks the whole config: NaN in each float key of base_config() (a key
+    added later included) is refused naming that key."""
+    cfg = the_config("/nonexistent")
+    floats = [k for k, v in config_lib.flatten(cfg).items() if isinstance(v, float)]
+    assert len(floats) >= 15
+    for key in floats:
+        bad = the_config("/nonexistent")
+        *path, leaf = key.split(".")
+        node = bad
+        for p in path:
+            node = node[p]
+        node[leaf] = float("nan")
+        with pytest.raises(ValueError, match=rf": {re.escape(key)}=nan is not a finite number"):
+            config_lib.validate(bad)
+
+
+def test_grad_clip_0_is_no_clipping():
+    """train.grad_clip=0 turns clipping off: the update equals the unclipped AdamW's (optax's
+    clip_by_global_norm(0) would zero it), while 1.0 clips this gradient (norm 55)."""
+    import jax.numpy as jnp
+    import optax
+
+    from onona_jax.train import optimizer
+
+    cfg = the_config("/nonexistent")
+    params = {"w": jnp.full((4, 4), 0.5), "b": jnp.zeros(4)}
+    logical = {"w": jax.sharding.PartitionSpec("embed", "mlp"), "b": jax.sharding.PartitionSpec("embed")}
+    grads = {"w": jnp.full((4, 4), 10.0), "b": jnp.arange(4.0) * 10}
+
+    def update(tx):
+        def two_steps():  # the second sees the first's moments
+            state = tx.init(params)
+            for _ in range(2):
+                updates, state = tx.update(grads, state, params)
+            return updates
+        return jax.jit(two_steps)()
+
+    def ours(grad_clip):
+        cfg.train.grad_clip = grad_clip
+        return update(optimizer.make_optimizer(cfg, 10, logical)[0])
+
+    expected = update(optax.adamw(optimizer.schedule(cfg, 10), b1=cfg.train.b1, b2=cfg.train.b2, eps=cfg.train.eps,
+                                  weight_decay=cfg.train.weight_decay, mask=optimizer.decay_mask(logical)))
+    off = ours(0.0)
+    for k in params:
+        np_off, np_expected = jax.device_get(off[k]), jax.device_get(expected[k])
+        assert (np_off == np_expected).all(), k
+        assert abs(np_off).max() > 0
+    clipped = ours(1.0)
+    assert any((jax.device_get(clipped[k]) != jax.device_get(expected[k])).any() for k in params)
 
 
 def test_generate_max_new_tokens_and_long_prompt(run_dir, capfd):
@@ -618,7 +1130,7 @@ def test_two_train_processes_on_one_workdir(tiny_data, tmp_path):
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         second = subprocess.run([sys.executable, "train.py", *argv(tiny_data, workdir, **ONE_DEVICE,
-                                **{"train.steps": 6, "train.lr": 1e-4})], cwd=REPO, env=train_env(), capture_output=True, text=True,
+                                **{"train.steps": 6, "train.lr": 1e-3})], cwd=REPO, env=train_env(), capture_output=True, text=True,
                                 timeout=300)
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"pid {first.pid} " in errors(second.stderr)[0]
@@ -661,9 +1173,15 @@ def test_storage_faults_during_a_run_then_resume(tiny_data, tmp_path, tmpfs):
         `fault()` applied as soon as `ready(pid)` holds."""
         out, err = open(tmp_path / "out.txt", "w+"), open(tmp_path / "err.txt", "w+")  # (a pipe can stall it)
         p = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=out, stderr=err)
+        def holds():
+            try:
+                return ready(p.pid)
+            except OSError:  # a directory renamed while it was listed
+                return False
+
         try:
             deadline = time.monotonic() + 300
-            while ready is not None and not ready(p.pid):
+            while ready is not None and not holds():
                 assert p.poll() is None and time.monotonic() < deadline, open(err.name).read()[-3000:]
                 time.sleep(0.005)
             if fault is not None:
@@ -688,13 +1206,15 @@ def test_storage_faults_during_a_run_then_resume(tiny_data, tmp_path, tmpfs):
 
     # 1. read-only checkpoints/ mid-run
     freeze = lambda: subprocess.run(["chattr", "+i", str(ckpt_dir)], check=True)  # noqa: E731
-    rc, _, err, seconds = run(saving, lambda pid: 2 in committed(), freeze)
+    rc, _, err, seconds = run(saving, lambda pid: committed()[-1:] >= [2], freeze)
     subprocess.run(["chattr", "-i", str(ckpt_dir)], check=True)
     read_only_s = stopped_cleanly(rc, err, seconds, r"could not write a checkpoint \(step \d+\) to .*Operation not permitted")
     good = committed()
 
     # 2. full disk while Orbax writes a step in the background
-    writing = lambda pid: (ckpt_dir / f"{good[-1] + 2}.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp").exists()  # noqa: E731
+    def writing(pid):  # a step after the resumed one being written (any: one step's window is short)
+        return any(int(p.parent.name.split(".")[0]) > good[-1] + 1 for p in ckpt_dir.glob("*.orbax-checkpoint-tmp/state.*"))
+
     rc, _, err, seconds = run(saving, writing, lambda: fill(disk))
     assert f"resumed from step {good[-1]} " in err and not any("tmp" in p.name for p in ckpt_dir.iterdir())
     save_s = stopped_cleanly(rc, err, seconds, r"could not write a checkpoint \(step \d+\) to .*No space left")
@@ -705,7 +1225,7 @@ def test_storage_faults_during_a_run_then_resume(tiny_data, tmp_path, tmpfs):
     # 3. full disk at a logged step's TensorBoard write
     def page_nearly_full(pid):
         events = list((workdir / "tensorboard").glob(f"*.{pid}"))
-        return events and -events[0].stat().st_size % 4096 < 400  # (a step's records: 179 bytes)
+        return events and -events[0].stat().st_size % 4096 < 1000  # (a step's records: 179 bytes)
 
     rc, _, err, seconds = run(logging_only, page_nearly_full, lambda: fill(disk))
     assert f"resumed from step {good[-1]} " in err

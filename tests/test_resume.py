@@ -321,6 +321,35 @@ def copy_checkpoints(reference, workdir: Path, steps, **saved_train) -> Path:
     return ckpts
 
 
+def test_moved_data_and_a_longer_budget_resume_exactly(cli, reference, tiny_data, tmp_path):
+    """The reference run's checkpoints 2 and 4 (with its record of the data), resumed with the
+    data dir copied elsewhere and train.steps 8 → 10, before the decay (steps 7-8 of 8, 9-10 of
+    10): the losses of steps 5-8 equal the reference's bit for bit (same data, same learning
+    rates up to step 7), and every step's lr is the new schedule's, so the decay moved instead
+    of jumping (step 8: 3e-3, where the 8-step run had decayed to 3e-4)."""
+    from onona_jax.train import optimizer
+
+    workdir = tmp_path / "run"
+    copy_checkpoints(reference, workdir, (2, 4))
+    shutil.copy(reference["workdir"] / "data_verified.json", workdir / "data_verified.json")
+    moved = tmp_path / "moved_data"
+    shutil.copytree(tiny_data, moved)
+
+    rc, out = cli.run(workdir, tmp_path / "log.txt", data__dir=moved, train__steps=10)
+    assert rc == 0, out[-3000:]
+    assert "resumed from step 4 " in out
+    logged = {m["step"]: m for m in metrics(workdir) if "loss" in m}
+    assert sorted(logged) == list(range(5, 11))
+    for step in range(5, 9):
+        assert logged[step]["loss"] == reference["loss"][step], step
+    new = optimizer.schedule(tiny_config(tiny_data, "standard", steps=10), 10)  # lr 3e-3 → 3e-4, warmup 2
+    assert [logged[s]["lr"] for s in range(5, 11)] == pytest.approx([float(new(s - 1)) for s in range(5, 11)])
+    assert logged[8]["lr"] == pytest.approx(3e-3) and logged[10]["lr"] == pytest.approx(3e-4)
+    ref8 = [m for m in metrics(reference["workdir"]) if m.get("step") == 8 and "lr" in m][0]["lr"]
+    assert ref8 == pytest.approx(3e-4)
+    assert json.loads((workdir / "data_verified.json").read_text())["data_dir"] == str(moved.resolve())
+
+
 def test_corrupt_latest_checkpoint_is_set_aside(cli, reference, tmp_path):
     """Checkpoints 2 and 4 of the reference run, 4 then damaged: the rerun warns naming step 4,
     moves it to checkpoints/corrupt/4-* whole, resumes from 2 and trains steps 3..8 exactly."""

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import collections
 import errno
-import fcntl
 import gc
-import glob
 import hashlib
 import json
 import multiprocessing
@@ -38,7 +36,7 @@ import numpy as np
 from absl import flags
 from tqdm import tqdm
 
-from onona_jax import cli, paths
+from onona_jax import cli, paths, staging
 from onona_jax.data.sources import Chunk, Source, check_mode, encode_chunk, iter_chunks, iter_documents, resolve_inputs
 from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB, get_tokenizer
 
@@ -123,70 +121,34 @@ def _on_sigterm(signum, frame):
     raise _Interrupted()
 
 
-def _lock_is_free(lock_path: Path) -> bool:
-    try:
-        fd = os.open(lock_path, os.O_RDWR)
-    except FileNotFoundError:
-        return False  # being moved into place right now
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_partials(out: Path) -> list[Path]:
-    """Delete `{out}.tmp-PID` directories of prepares that died (SIGKILL, power loss) before finishing.
-
-    A running prepare holds an exclusive flock on `.lock` inside its temp dir; a dir whose lock can be
-    taken (or, made before locks existed, whose PID is not running) is left over and is removed.
-    """
-    removed = []
-    for d in sorted(out.parent.glob(f"{glob.escape(out.name)}.tmp-*")) if out.parent.is_dir() else []:
-        lock = d / ".lock"
-        if not d.is_dir():
-            continue
-        if lock.exists():
-            stale = _lock_is_free(lock)
-        else:
-            pid = d.name.rsplit("-", 1)[-1]
-            stale = pid.isdigit() and not _pid_alive(int(pid))
-        if stale:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
-
-
-def _new_partial(out: Path) -> tuple[Path, int]:
-    """A fresh, locked temp dir beside `out` (same filesystem, so the final rename is atomic)."""
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    fd = os.open(tmp / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return tmp, fd
-
-
 def _chunks(sources: list[Source], text_column: str, tokens_column: str | None) -> Iterator[Chunk]:
     for src in sources:
         yield from iter_chunks(src, text_column, tokens_column)
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and stops the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, inherited through fork
+    _die_with_parent(parent)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when `parent` dies (Linux's parent-death signal).
+
+    A parent killed by SIGKILL runs no handler and cannot stop its pool; the workers would wait
+    for tasks forever, holding the partial output's lock (inherited through fork), so that a
+    rerun could not remove it. The signal does not depend on who kills the parent or how,
+    which a process group would (only a kill of the whole group reaches the workers). If the
+    parent died before the signal was armed, this worker already has another parent: exit."""
+    if not sys.platform.startswith("linux"):
+        return  # no such signal elsewhere (macOS): there a SIGKILLed prepare leaves its workers waiting
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _start_method() -> str:
@@ -204,7 +166,8 @@ def _start_pool(workers: int) -> ProcessPoolExecutor | None:
         return None
     get_tokenizer()  # loaded once, before a fork
     method = _start_method()
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init,
+                               initargs=(os.getpid(),))
     if method == "fork":  # fork them all now, before tqdm starts its monitor thread
         gc.freeze()  # the children's collector then leaves the inherited objects (and their pages) alone
         try:
@@ -271,6 +234,34 @@ def _write_splits(tmp: Path, sources, is_heldout: Callable[[int, int], np.ndarra
     return writers, docs_per_split, index
 
 
+def _where(p: str) -> str:
+    return p.rstrip("/") if paths.is_cloud(p) else os.path.realpath(p)
+
+
+def _inside(a: str, b: str) -> bool:
+    """Whether path or URL `a` lies strictly inside `b` (both from `_where`)."""
+    return a != b and a.startswith(b.rstrip("/") + "/")
+
+
+def check_apart(inputs: list[str], output: str) -> None:
+    """Refuse an output that is an input, lies inside an input directory or holds an input
+    (symlinks resolved), with or without --overwrite: writing it, or replacing it, would change
+    or delete the corpus. Nothing is read or removed before this."""
+    out = _where(output)
+    for raw in inputs:
+        src = _where(raw)
+        if out == src:
+            problem = f"is the input {raw}"
+        elif _inside(out, src) and (paths.is_cloud(src) or os.path.isdir(src)):
+            problem = f"is inside the input directory {raw}"
+        elif _inside(src, out):
+            problem = f"holds the input {raw}"
+        else:
+            continue
+        raise ValueError(f"--output={output} {problem}; give an --output apart from every input (prepare "
+                         "replaces its output directory as a whole)")
+
+
 def prepare(
     inputs: list[str],
     output: str,
@@ -286,6 +277,7 @@ def prepare(
 ) -> dict:
     """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json).
     `output` may be a bucket URL (gs://...): see `_prepare_to_bucket`."""
+    check_apart(inputs, output)
     if paths.is_cloud(output):
         return _prepare_to_bucket(inputs, output, heldout_fraction, shard_tokens, seed, overwrite=overwrite,
                                   text_column=text_column, tokens_column=tokens_column, workers=workers,
@@ -301,10 +293,11 @@ def prepare(
     if not text_column or tokens_column == "":
         raise ValueError("--text_column and --tokens_column must name a field or column")
     out = Path(output)
-    for d in remove_stale_partials(out):
+    for d in staging.remove_stale(out):
         print(f"removed {d}, the partial output of an interrupted prepare", file=sys.stderr)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ValueError(f"output {out} already exists and is not empty; choose another --output or pass --overwrite")
+        raise ValueError(f"output {out} already exists and is not empty; choose another --output, or pass "
+                         "--overwrite to replace it (everything in it is deleted)")
     sources = resolve_inputs(inputs)
     check_mode(sources, tokens_column)
     # Read the first document of every input before writing anything: a missing or mistyped column,
@@ -313,7 +306,7 @@ def prepare(
     for src in sources:
         next(iter_documents(src, text_column, tokens_column), None)
 
-    tmp, lock_fd = _new_partial(out)
+    tmp, lock_fd = staging.new(out)
     try:
         args = (shard_tokens, text_column, tokens_column, workers, max_tokens)
         def hashed(a: int, b: int) -> np.ndarray:

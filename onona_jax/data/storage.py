@@ -104,6 +104,11 @@ def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path) -> N
     os.replace(part, dst)
 
 
+def _local(data_dir) -> Path:
+    s = os.fspath(data_dir)
+    return Path(s[len("file://"):] if s.startswith("file://") else s)
+
+
 def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[str],
                    cache_dir: str | None = None) -> Path:
     """A local directory holding the manifest and `splits`' shards of `data_dir`.
@@ -112,8 +117,7 @@ def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[s
     host) into its cache dir and verified; an up-to-date cache is reused without reading the shards.
     """
     if not paths.is_cloud(data_dir):
-        s = os.fspath(data_dir)
-        return Path(s[len("file://"):] if s.startswith("file://") else s)
+        return _local(data_dir)
     data_dir = os.fspath(data_dir).rstrip("/")
     raw, manifest = read_remote_manifest(data_dir)
     cache = cache_path(data_dir, cache_dir)
@@ -155,39 +159,101 @@ def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
         _copy_verified(remote / s["file"], cache / s["file"], s, data_dir, cache)
 
 
-def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
-    """Check every shard of a LOCAL data dir against the size and sha256 its manifest records,
-    once per run directory: the result is kept in RECORD_DIR/data_verified.json (keyed by the
-    manifest's own hash), so a resume with the same data reads no shard again. A shard that was
-    replaced or damaged is a ValueError naming it and the fix. Returns whether it hashed.
-    Remote data dirs are verified as they are copied (`local_data_dir`)."""
+def shard_sha256(path) -> str:
+    """The sha256 of a local file, read in large blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_COPY_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(data_dir) -> tuple[bytes, dict]:
+    """(raw bytes, parsed) manifest.json of a local or remote data dir; ValueError if missing."""
     if paths.is_cloud(data_dir):
-        return False
-    d = Path(os.fspath(data_dir))
-    raw = (d / "manifest.json").read_bytes()
-    manifest = parse_manifest(raw, str(d / "manifest.json"), data_dir)
-    key = hashlib.sha256(raw).hexdigest()
-    record = paths.join(record_dir, "data_verified.json")  # the run's workdir: local or a bucket
+        return read_remote_manifest(os.fspath(data_dir).rstrip("/"))
+    path = _local(data_dir) / "manifest.json"
     try:
-        if json.loads(paths.read_text(record)).get("manifest_sha256") == key:
-            return False
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"no prepared data at {data_dir} (missing {path}); {prepare_hint(data_dir)}") from None
+    return raw, parse_manifest(raw, str(path), data_dir)
+
+
+def manifest_identity(raw: bytes, manifest: dict) -> str:
+    """What a prepared data dir holds, wherever it lies: the sha256 of its manifest's shard
+    list (each split's shards with their tokens and sha256), so a moved or copied data dir, or
+    another cache of it, is the same data and data prepared otherwise is not. Data prepared
+    before shards carried hashes is identified by its manifest.json's bytes."""
+    shards = {split: [[s.get("file"), s.get("tokens"), s.get("sha256")] for s in v.get("shards", [])]
+              for split, v in manifest["splits"].items()}
+    if any(sha is None for listed in shards.values() for _, _, sha in listed):
+        return "manifest-" + hashlib.sha256(raw).hexdigest()
+    return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+
+
+def data_identity(data_dir) -> str:
+    """`manifest_identity` of a local or remote data dir; ValueError if it has no manifest."""
+    return manifest_identity(*read_manifest(data_dir))
+
+
+RECORD = "data_verified.json"  # in the run's workdir
+
+
+def _read_record(record_dir) -> dict:
+    try:
+        record = json.loads(paths.read_text(paths.join(record_dir, RECORD)))
     except (OSError, ValueError):
-        pass  # no (readable) record: verify
+        return {}  # none yet (or unreadable: rebuilt by hashing)
+    return record if isinstance(record, dict) else {}
+
+
+def recorded_identity(record_dir) -> str | None:
+    """The data identity recorded by the run's last start (`verify_once`), or None."""
+    return _read_record(record_dir).get("identity")
+
+
+def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
+    """Check a LOCAL data dir's shards against the size and sha256 its manifest records,
+    hashing each shard once per change. RECORD_DIR/data_verified.json (the run's workdir)
+    keeps the data's identity and each verified shard's size, mtime and sha256; at every start
+    a shard whose size and mtime are as recorded is not read again, any other is hashed. A
+    shard that was replaced or damaged is a ValueError naming it and the fix. A rewrite that
+    keeps both size and mtime is not noticed (docs/DATA.md: the trade). Returns whether it
+    hashed. A remote data dir is verified as it is copied (`local_data_dir`); only its identity
+    is recorded."""
+    record_path = paths.join(record_dir, RECORD)
+    old = _read_record(record_dir)
+    if paths.is_cloud(data_dir):
+        new = {"data_dir": os.fspath(data_dir), "identity": data_identity(data_dir)}
+        if new != old:
+            paths.write_json(record_path, new)
+        return False
+    d = _local(data_dir).resolve()
+    raw, manifest = read_manifest(d)
+    # Only a record of this very directory vouches for its files.
+    known = old.get("shards", {}) if old.get("data_dir") == str(d) and isinstance(old.get("shards"), dict) else {}
+    shards, hashed = {}, False
     for split in splits:
         for shard in manifest["splits"].get(split, {}).get("shards", []):
-            path = d / shard["file"]
-            if "sha256" not in shard:  # written before shards carried hashes
+            if "sha256" not in shard:  # written before shards carried hashes (sizes are checked on load)
                 continue
-            size = path.stat().st_size
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(_COPY_CHUNK), b""):
-                    h.update(block)
-            if size != shard.get("bytes", size) or h.hexdigest() != shard["sha256"]:
-                raise ValueError(
-                    f"shard {path} ({size} bytes, sha256 {h.hexdigest()}) does not match {d}/manifest.json "
-                    f"({shard.get('bytes', '?')} bytes, sha256 {shard['sha256']}): the data dir was changed "
-                    f"or damaged after prepare; {prepare_hint(data_dir)} again")
-    paths.write_json(record, {"data_dir": str(d.resolve()), "manifest_sha256": key})
-    return True
-
+            path = d / shard["file"]
+            try:
+                st = path.stat()  # before hashing: a write during the hash changes the mtime recorded
+            except FileNotFoundError:
+                raise ValueError(f"shard {path} listed in {d}/manifest.json is missing; restore it, or "
+                                 f"{prepare_hint(data_dir)} again") from None
+            seen = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": shard["sha256"]}
+            if known.get(shard["file"]) != seen:
+                digest, hashed = shard_sha256(path), True
+                if st.st_size != shard.get("bytes", st.st_size) or digest != shard["sha256"]:
+                    raise ValueError(
+                        f"shard {path} ({st.st_size} bytes, sha256 {digest}) does not match {d}/manifest.json "
+                        f"({shard.get('bytes', '?')} bytes, sha256 {shard['sha256']}): the data dir was changed "
+                        f"or damaged after prepare; restore that shard, or {prepare_hint(data_dir)} again")
+            shards[shard["file"]] = seen
+    new = {"data_dir": str(d), "identity": manifest_identity(raw, manifest), "shards": shards}
+    if new != old:
+        paths.write_json(record_path, new)
+    return hashed

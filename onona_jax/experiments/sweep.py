@@ -16,7 +16,9 @@ per arm × seed (train && eval) for a cluster scheduler and runs nothing (`--pyt
 names the interpreter the cluster's nodes use; default: this one). `DIR/grid.json`
 describes the grid (arms, baselines, seeds, size) for the report; seeds of earlier calls on
 the same DIR are kept in it. (Runs launched from emitted lines record no status: the report
-shows a run without an eval file as missing.)
+shows a run without an eval file as missing.) A sweep holds `DIR/lock.json` (the lock train.py
+takes on a workdir) while it writes DIR, so a second sweep on DIR exits 2 naming the first; each
+run's train.py holds its own run directory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 from absl import flags
 
 from onona_jax import cli, paths
+from onona_jax.train.lock import WorkdirLock, check as check_lock
 
 STDERR_TAIL = 4000  # characters of a failed run's stderr kept in sweep_status.json
 
@@ -154,6 +157,7 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
     total, done = len(arms) * len(seeds), 0
     for arm in arms:
         for seed in seeds:
+            check_lock()  # a sweep whose lock on DIR was lost (a bucket lease) starts no more runs
             done += 1
             key = f"{arm['name']}/seed{seed}"
             rd = run_dir(workdir, arm["name"], seed)
@@ -215,12 +219,14 @@ def _main(fv, extra):
             for seed in seeds:
                 print(command_line(arm, seed, workdir, extra, root, fv.python))
         return 0
-    write_grid_json(workdir, info, seeds, extra)
-    if fv.emit:
-        lines = emit(fv.emit, arms, seeds, workdir, extra, root, fv.python)
-        print(f"wrote {len(lines)} command lines to {fv.emit}; then: python -m onona_jax.experiments.report {workdir}")
-        return 0
-    status = run_sweep(arms, seeds, workdir, extra, root, python=fv.python)
+    with WorkdirLock(workdir):  # one sweep per directory: grid.json, sweep_status.json and the runs' logs
+        write_grid_json(workdir, info, seeds, extra)
+        if fv.emit:
+            lines = emit(fv.emit, arms, seeds, workdir, extra, root, fv.python)
+            print(f"wrote {len(lines)} command lines to {fv.emit}; "
+                  f"then: python -m onona_jax.experiments.report {workdir}")
+            return 0
+        status = run_sweep(arms, seeds, workdir, extra, root, python=fv.python)
     keys = [f"{a['name']}/seed{s}" for a in arms for s in seeds]
     failed = [k for k in keys if status[k].get("status") == "failed"]
     print(f"done: {len(arms) * len(seeds)} runs, {len(failed)} failed"

@@ -211,6 +211,16 @@ def recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
     }
 
 
+def config_problems(cfg_model) -> list[str]:
+    """What is wrong with the model config's gdn keys (read when the layer pattern has GDN
+    layers), each naming the key and the fix."""
+    G = cfg_model.gdn
+    return [f"model.gdn.{key}={G[key]} must be positive" + why
+            for key, why in (("n_heads", ""), ("head_dim_k", ""), ("head_dim_v", ""),
+                             ("conv_kernel", " (the causal convolution's width; 1 = none)"),
+                             ("chunk", " (positions per block of the chunked recurrence)"))
+            if G[key] < 1]
+
 
 class GatedDeltaNet(nnx.Module):
     """The GDN token mixer of SPEC §3.

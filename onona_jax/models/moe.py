@@ -59,8 +59,18 @@ def config_problems(cfg_model) -> list[str]:
     """What is wrong with the model config's moe keys, each naming the key and the fix."""
     mo = cfg_model.moe
     out = []
+    if mo.n_experts < 1:
+        out.append(f"model.moe.n_experts={mo.n_experts} must be at least 1")
     if not 0 < mo.top_k <= mo.n_experts:
         out.append(f"model.moe.top_k={mo.top_k} must be in 1..n_experts ({mo.n_experts})")
+    if mo.d_expert < 1:
+        out.append(f"model.moe.d_expert={mo.d_expert} must be positive (each expert's FFN width)")
+    for key in ("capacity_factor", "eval_capacity_factor"):
+        if not mo[key] > 0:
+            out.append(f"model.moe.{key}={mo[key]} must be positive (an expert's slots per token routed to it "
+                       "on average; 1.25 in training, 4.0 in evaluation by default)")
+    if not mo.aux_coef >= 0:
+        out.append(f"model.moe.aux_coef={mo.aux_coef} must be zero (no load-balancing loss) or positive")
     if mo.dispatch not in DISPATCH:
         out.append(f"model.moe.dispatch {mo.dispatch!r}: one of {', '.join(DISPATCH)}")
     return out

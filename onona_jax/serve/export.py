@@ -1,6 +1,6 @@
 """Export a trained checkpoint as a HF transformers folder.
 
-    python -m onona_jax.serve.export --workdir=DIR --output=OUT [--step=N] [--notokenizer] [--mesh=-1,1,1]
+    python -m onona_jax.serve.export --workdir=DIR --output=OUT [--step=N] [--notokenizer] [--overwrite] [--mesh=-1,1,1]
 
 Every family (dense, moe, gdn, attnres) with every head (`serve/hf_format.py`):
 
@@ -24,6 +24,11 @@ which `python -m onona_jax.train.import_hf --from_hf=OUT` uses to import it back
 
 The vocabulary keeps the model's padded size (50,304): ids 50,257.. never occur in the data
 and get (small) probabilities like any other row. Needs `transformers` and `safetensors` (pip install -e '.[test]').
+
+OUT is written beside itself (`OUT.tmp-PID`) and moved into place when complete, so a failed
+export leaves OUT as it was. A non-empty OUT is refused unless `--overwrite`, which replaces
+the files an export writes (`hf_format.EXPORT_FILES`; those of another kind are removed) and
+keeps everything else there. Files get the usual 0644 (the umask's) mode.
 """
 
 from __future__ import annotations
@@ -33,22 +38,35 @@ import os
 
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import cli, paths
 from onona_jax.serve import hf_format
 
 check_exportable = hf_format.check_supported  # what export refuses, before any array is read
 
 
+def check_output(workdir: str, output: str, overwrite: bool = False) -> None:
+    """`hf_format.check_output`, and never the run's own directory (its config.json)."""
+    if not paths.is_cloud(workdir) and os.path.realpath(output) == os.path.realpath(workdir):
+        raise ValueError(f"--output={output} is the run's --workdir; give another folder (e.g. {workdir}/hf)")
+    hf_format.check_output(output, overwrite)
+
+
 def export(workdir: str, output: str, step: int | None = None, tokenizer: bool = True,
-           mesh=(-1, 1, 1)) -> dict:
-    """Export a run's checkpoint (the latest unless `step`); returns a summary dict."""
+           mesh=(-1, 1, 1), overwrite: bool = False) -> dict:
+    """Export a run's checkpoint (the latest unless `step`); returns a summary dict. A non-empty
+    `output` needs `overwrite`, which replaces only the files an export writes."""
     from onona_jax.checkpoint import restore_params, saved_config
 
+    check_output(workdir, output, overwrite)  # before reading any checkpoint
     check_exportable(saved_config(workdir, step).model)  # before restoring any array
     params, step, cfg, _ = restore_params(workdir, step, mesh)
-    source = dict(workdir=os.path.abspath(workdir), step=int(step), config=cfg.name)
+    source = dict(workdir=paths.absolute(workdir), step=int(step), config=cfg.name)
 
-    model_type, files = hf_format.export(params, cfg, output, tokenizer)
+    try:
+        model_type, files = hf_format.export(params, cfg, output, tokenizer, overwrite)
+    except OSError as err:  # a full disk, a permission lost since the check
+        raise cli.Failure(f"cannot write the export to {output} ({err.strerror or err}); a failed export leaves "
+                          f"{output} as it was: free space or fix the permission and rerun") from None
     kind = {"qwen3": "hf-qwen3", "qwen3_moe": "hf-qwen3-moe", "onona": "hf-onona"}[model_type]
     return dict(kind=kind, output=os.path.abspath(output), files=sorted(set(files)), **source)
 
@@ -58,13 +76,15 @@ def define(fv, argv):
     flags.DEFINE_string("output", None, "folder to write", flag_values=fv, required=True)
     flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=fv)
     flags.DEFINE_bool("tokenizer", True, "write the tokenizer files (--notokenizer: do not)", flag_values=fv)
+    flags.DEFINE_bool("overwrite", False, "replace the files an export writes in a non-empty --output (and "
+                      "keep the rest)", flag_values=fv)
     cli.define_mesh(fv)
 
 
 def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
-    print(json.dumps(export(fv.workdir, fv.output, fv.step, fv.tokenizer, cli.mesh(fv)), indent=2))
+    print(json.dumps(export(fv.workdir, fv.output, fv.step, fv.tokenizer, cli.mesh(fv), fv.overwrite), indent=2))
 
 
 def main(argv=None) -> int:

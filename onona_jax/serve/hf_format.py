@@ -32,10 +32,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from onona_jax import cli, paths, staging
 from onona_jax.serve import convert
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
@@ -47,8 +49,15 @@ HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
 CODE_FILES = ("configuration_onona.py", "modeling_onona.py")
 AUTO_MAP = {"AutoConfig": "configuration_onona.OnonaConfig",
             "AutoModelForCausalLM": "modeling_onona.OnonaForCausalLM"}
+CONFIG, GENERATION_CONFIG = "config.json", "generation_config.json"  # transformers' names (save_pretrained)
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded checkpoints (read, never written)
 TRAIN_CONFIG = "onona_train_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # 4.x writes the last too
+# Every name an export of any kind writes (tests check each kind against it): what `--overwrite`
+# replaces or removes in an existing folder; nothing else there is touched.
+EXPORT_FILES = (CONFIG, WEIGHTS, GENERATION_CONFIG, *CODE_FILES, *TOKENIZER_FILES, TRAIN_CONFIG)
+AGAIN = "export or download the folder again"  # the fix for a damaged folder
 
 
 def check_supported(m) -> None:
@@ -370,6 +379,14 @@ def _onona_config_class():
 def model_config_from_hf(hf: dict, base=None):
     """Our model config (ml_collections) for a HF config dict of model_type qwen3, qwen3_moe or
     onona; `base` (a full config) supplies the keys HF does not carry (dtype, training)."""
+    try:
+        return _model_config_from_hf(hf, base)
+    except (KeyError, TypeError) as err:  # a key missing, or a null where a number belongs
+        what = f"lacks {err.args[0]!r}" if isinstance(err, KeyError) else f"has a value of the wrong type ({err})"
+        raise ValueError(f"config.json {what}, which a {hf.get('model_type')} config needs; {AGAIN}") from None
+
+
+def _model_config_from_hf(hf: dict, base=None):
     from onona_jax import config as config_lib
 
     c = base.copy_and_resolve_references() if base is not None else config_lib.base_config()
@@ -462,62 +479,191 @@ def _save_safetensors(tensors: dict[str, np.ndarray], path: str):
               metadata={"format": "pt"})
 
 
-def export(params, cfg, output: str, tokenizer: bool = True) -> tuple[str, list[str]]:
-    """Write the HF folder of a trained model (full config `cfg`): (kind, files written)."""
+def check_output(output: str, overwrite: bool = False) -> None:
+    """Refuse, before any work, an export folder that cannot be written: a file, a path under a
+    file, a place without write permission, or a non-empty folder without `overwrite`."""
+    if paths.is_cloud(output):
+        raise ValueError(f"--output={output}: export writes a local folder; export here, then copy it "
+                         "(e.g. gcloud storage cp -r)")
+    out = os.path.abspath(output)
+    existing = out
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == out else f"is under {existing}, which is a file"
+        raise ValueError(f"--output={output} {where}; give a folder path")
+    full = os.path.isdir(out) and bool(os.listdir(out))
+    if full and not overwrite:
+        raise ValueError(f"--output={output} is not empty; give a new or empty folder, or pass --overwrite to "
+                         f"replace the files an export writes ({', '.join(EXPORT_FILES)}) and keep the rest")
+    # The folder is written beside it and moved into place (`staging`): its parent (or, not
+    # made yet, the nearest directory above) must be writable; a non-empty one's files are
+    # replaced inside it. Probed without making any directory.
+    above = os.path.dirname(out) if existing == out else existing
+    for directory in (above, out) if full else (above,):
+        try:
+            cli.probe_writable(directory)
+        except OSError as err:
+            raise ValueError(f"--output={output}: cannot write to {directory} ({err.strerror or err}); "
+                             "give a writable place") from None
+
+
+def _file_mode() -> int:
+    """What open() gives a new file: 0666 less the umask (0644 as a rule)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _install(tmp: Path, out: Path, files: list[str], overwrite: bool) -> None:
+    """Move a complete export from `tmp` to `out`. A new (or empty) folder appears at once (one
+    rename); in an existing one each export file is replaced by a rename, the export files of
+    another kind that this export does not write are removed, and nothing else is touched."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+        return
+    if not overwrite:  # filled while we worked
+        raise ValueError(f"--output={out} was filled by another process during the export; pass --overwrite "
+                         "to replace its export files")
+    for name in files:
+        os.replace(tmp / name, out / name)
+    for name in set(EXPORT_FILES) - set(files):
+        try:
+            os.remove(out / name)
+        except FileNotFoundError:
+            pass
+    tmp.rmdir()
+
+
+def _write_folder(folder: str, hf, state: dict, cfg, tokenizer: bool) -> None:
     from transformers import GenerationConfig
 
     from onona_jax.tokenizer import EOT
 
-    m = cfg.model
-    check_supported(m)
-    hf = hf_config(m, max(1024, int(cfg.data.seq_len)))
-    state = to_hf(params, m)
-    os.makedirs(output, exist_ok=True)
-    hf.save_pretrained(output)
-    files = ["config.json", WEIGHTS, "generation_config.json"]
+    hf.save_pretrained(folder)
     if hf.model_type == "onona":
         for name in CODE_FILES:
-            shutil.copyfile(os.path.join(HF_DIR, name), os.path.join(output, name))
-        files += list(CODE_FILES)
-    _save_safetensors(state, os.path.join(output, WEIGHTS))
-    GenerationConfig(bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT).save_pretrained(output)
+            shutil.copyfile(os.path.join(HF_DIR, name), os.path.join(folder, name))
+    _save_safetensors(state, os.path.join(folder, WEIGHTS))
+    GenerationConfig(bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT).save_pretrained(folder)
     if tokenizer:
-        files += [os.path.basename(f) for f in write_tokenizer(output, int(cfg.data.seq_len))]
-    with open(os.path.join(output, TRAIN_CONFIG), "w") as f:
+        write_tokenizer(folder, int(cfg.data.seq_len))
+    with open(os.path.join(folder, TRAIN_CONFIG), "w") as f:
         f.write(cfg.to_json(indent=2))
-    return hf.model_type, files + [TRAIN_CONFIG]
+
+
+def export(params, cfg, output: str, tokenizer: bool = True, overwrite: bool = False) -> tuple[str, list[str]]:
+    """Write the HF folder of a trained model (full config `cfg`): (kind, files written).
+
+    The folder is written beside `output` and moved into place when complete (`_install`), so
+    a failed export leaves `output` as it was. A non-empty `output` needs `overwrite`, which
+    replaces only EXPORT_FILES there. Files get the umask's mode (safetensors' own writer
+    makes model.safetensors 0600: it writes a private temporary file and renames it)."""
+    m = cfg.model
+    check_supported(m)
+    check_output(output, overwrite)
+    hf = hf_config(m, max(1024, int(cfg.data.seq_len)))
+    state = to_hf(params, m)
+    out = Path(os.path.abspath(output))
+    staging.remove_stale(out)
+    tmp, lock_fd = staging.new(out)
+    try:
+        _write_folder(str(tmp), hf, state, cfg, tokenizer)
+        (tmp / ".lock").unlink()  # our fd keeps the lock until the folder is in place
+        files, mode = sorted(os.listdir(tmp)), _file_mode()
+        for name in files:
+            os.chmod(tmp / name, mode)
+        _install(tmp, out, files, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(lock_fd)
+    return hf.model_type, files
+
+
+def _read_json(file: str, fix: str) -> dict:
+    """A JSON object from `file`; anything else is one ValueError naming the file and `fix`."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a JSON {type(data).__name__}, not an object; {fix}")
+    return data
 
 
 def read_config(path: str) -> dict:
     """The HF config dict of a transformers folder."""
-    cfg_path = os.path.join(path, "config.json")
+    cfg_path = os.path.join(path, CONFIG)
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{path} has no config.json; give a transformers model folder (e.g. from "
                          "`python -m onona_jax.serve.export`)")
-    with open(cfg_path) as f:
-        return json.load(f)
+    return _read_json(cfg_path, AGAIN)
+
+
+def read_train_config(path: str) -> dict | None:
+    """The training config an export of ours carries (`TRAIN_CONFIG`), or None."""
+    file = os.path.join(path, TRAIN_CONFIG)
+    if not os.path.isfile(file):
+        return None
+    cfg = _read_json(file, f"{AGAIN} (or delete it to import from config.json alone)")
+    if not isinstance(cfg.get("model"), dict):
+        raise ValueError(f"{file} has no model section, so it is not an onona training config; {AGAIN} "
+                         "(or delete it to import from config.json alone)")
+    return cfg
+
+
+def _load_file(file: str) -> dict[str, np.ndarray]:
+    """{name: array} of one weights file; a truncated or damaged one is a ValueError naming it
+    (an unreadable one, e.g. no permission, stays an OSError)."""
+    try:
+        if file.endswith(".safetensors"):
+            from safetensors import safe_open
+            from safetensors.numpy import load_file
+
+            try:
+                return load_file(file)
+            except TypeError:  # bf16, which numpy lacks: through torch
+                with safe_open(file, framework="pt") as f:
+                    return {k: convert._numpy(f.get_tensor(k)) for k in f.keys()}
+        import torch
+
+        return {k: convert._numpy(v) for k, v in torch.load(file, map_location="cpu", weights_only=True).items()}
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors' and torch's errors for a damaged file
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{file} cannot be read ({type(err).__name__}: {first}): it is truncated or damaged; "
+                         f"{AGAIN}") from None
 
 
 def read_weights(path: str) -> dict[str, np.ndarray]:
-    """{name: fp32 array} of a transformers folder (one or sharded safetensors files;
-    pytorch_model.bin as a fall-back)."""
-    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    state: dict[str, np.ndarray] = {}
-    if files:
-        from safetensors.numpy import load_file
-        from safetensors import safe_open
-
-        for name in files:
-            try:
-                state.update(load_file(os.path.join(path, name)))
-            except TypeError:  # bf16, which numpy lacks: through torch
-                with safe_open(os.path.join(path, name), framework="pt") as f:
-                    state.update({k: convert._numpy(f.get_tensor(k)) for k in f.keys()})
-    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        import torch
-
-        state = {k: convert._numpy(v) for k, v in torch.load(os.path.join(path, "pytorch_model.bin"),
-                                                             map_location="cpu", weights_only=True).items()}
+    """{name: fp32 array} of a transformers folder, found as transformers finds it:
+    model.safetensors, else the shards its index names, else every *.safetensors file, else
+    pytorch_model.bin (other weight files there, e.g. an older download's, are not read)."""
+    index = os.path.join(path, WEIGHTS_INDEX)
+    if os.path.isfile(os.path.join(path, WEIGHTS)):
+        files = [WEIGHTS]
+    elif os.path.isfile(index):
+        weight_map = _read_json(index, AGAIN).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map naming the shards; {AGAIN}")
+        files = sorted(set(map(str, weight_map.values())))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise ValueError(f"{index} names {len(missing)} shard(s) that {path} lacks ({', '.join(missing[:3])}); "
+                             f"copy them in or {AGAIN}")
     else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        files = ["pytorch_model.bin"]
+    if not files:
         raise ValueError(f"{path} has no *.safetensors or pytorch_model.bin weights")
+    state: dict[str, np.ndarray] = {}
+    for name in files:
+        state.update(_load_file(os.path.join(path, name)))
     return {k: np.asarray(v, np.float32) for k, v in state.items()}

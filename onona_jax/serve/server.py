@@ -36,6 +36,7 @@ single decoding token never overflows).
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import jax
@@ -226,22 +227,38 @@ class Server:
 
     @classmethod
     def from_workdir(cls, workdir: str, step: int | None = None, *, max_len: int | None = None, device=None):
-        """The latest (or `step`'s) checkpoint of a training run, on one device."""
-        from onona_jax.checkpoint import restore_params, saved_config
+        """The latest (or `step`'s) checkpoint of a training run, on one device. On a run that
+        is training, a step its rotation deletes between the head's read and the trunk's is
+        read again from the newest step, once."""
+        from onona_jax import paths
+        from onona_jax.checkpoint import StepGone, restore_params, rotated_twice, saved_config
 
         devices = [device if device is not None else jax.devices()[0]]
         where = dict(mesh=(1, 1, 1), devices=devices, via_host=True)
         if not foldable(saved_config(workdir, step).model):
-            params, step, cfg, _ = restore_params(workdir, step, **where)
+            params, used, cfg, _ = restore_params(workdir, step, **where)
             server = cls(cfg, params, max_len=max_len)
-        else:  # one part at a time: the head, folded and let go; then the trunk
-            head, step, cfg, _ = restore_params(workdir, step, parts=("head",), **where)
+            server.step = used
+            return server
+        gone = None
+        while True:  # one part at a time: the head, folded and let go; then the trunk
+            head, used, cfg, _ = restore_params(workdir, step, parts=("head",), **where)
             folded = jax.block_until_ready(fold(model_lib.eval_config(cfg.model), head["head"]))
             del head  # (after the fold has run: dispatch is asynchronous)
             gc.collect()  # the restore leaves reference cycles: free the tables before the trunk
-            trunk, step, cfg, _ = restore_params(workdir, step, parts=("trunk",), **where)
-            server = cls(cfg, trunk, max_len=max_len, folded=folded)
-        server.step = step
+            try:
+                trunk, used, cfg, _ = restore_params(workdir, used, parts=("trunk",), **where)
+                break
+            except StepGone:
+                if step is not None:
+                    raise
+                if gone is not None:
+                    raise rotated_twice(paths.join(workdir, "checkpoints"), gone, used) from None
+                gone = used
+                print(f"note: checkpoint at step {used} was deleted after its head was read (a running train.py "
+                      "keeps only its newest); reading the newest step again", file=sys.stderr)
+        server = cls(cfg, trunk, max_len=max_len, folded=folded)
+        server.step = used
         return server
 
     # -- pieces shared by scoring and decoding (traced)

@@ -21,6 +21,7 @@ from onona_jax import cli, paths
 from onona_jax import config as config_lib
 from onona_jax.checkpoint import Checkpoints
 from onona_jax.serve import hf_format
+from onona_jax.train.lock import WorkdirLock
 from onona_jax.train.state import new_state, setup
 
 
@@ -28,12 +29,11 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     """A transformers folder -> a workdir checkpoint at step 0 (`workdir/checkpoints/0`): the
     parameters, a FRESH optimizer state, step 0 and the config (the export's own training
     config when the folder has `onona_train_config.json`). eval.py, serving, export and
-    `train.py --config.init_from` read it. Refuses a workdir that already has checkpoints."""
+    `train.py --config.init_from` read it. Refuses a workdir that already has checkpoints, or
+    whose lock (lock.json, as train.py takes it) another writer holds, before writing anything."""
     hf = hf_format.read_config(path)
-    base = None
-    if os.path.isfile(os.path.join(path, hf_format.TRAIN_CONFIG)):
-        with open(os.path.join(path, hf_format.TRAIN_CONFIG)) as f:
-            base = ml_collections.ConfigDict(json.load(f))
+    train_config = hf_format.read_train_config(path)
+    base = None if train_config is None else ml_collections.ConfigDict(train_config)
     cfg = hf_format.model_config_from_hf(hf, base)
     if base is None:
         cfg.name = f"hf-{os.path.basename(os.path.normpath(path))}"
@@ -43,18 +43,24 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     config_lib.validate(cfg)
     hf_format.check_supported(cfg.model)
     ckpt_dir = paths.join(workdir, "checkpoints")
-    if paths.isdir(ckpt_dir) and any(paths.path(ckpt_dir).iterdir()):
-        raise ValueError(f"{ckpt_dir} already holds checkpoints; import into an empty workdir")
+
+    def refuse_a_used_workdir():
+        if paths.isdir(ckpt_dir) and any(paths.path(ckpt_dir).iterdir()):
+            raise ValueError(f"{ckpt_dir} already holds checkpoints; import into an empty workdir")
+
+    refuse_a_used_workdir()
     params = hf_format.from_hf(hf_format.read_weights(path), cfg.model)  # every name and shape checked before any write
     run = setup(cfg, devices)
-    params = jax.device_put(params, run.param_shardings)
-    train_state = jax.jit(lambda p: new_state(run, p), out_shardings=run.state_shardings)(params)
-    paths.write_atomic(paths.join(workdir, "config.json"), cfg.to_json(indent=2))
-    ckpts = Checkpoints(ckpt_dir, keep=cfg.train.keep_checkpoints)
-    # No data iterator to record: training on this workdir directly is refused by the
-    # iterator's state check; start a new run with --config.init_from=<this workdir> instead.
-    ckpts.save(0, train_state, {"step": 0, "imported_from": os.path.abspath(path)}, cfg.to_json())
-    ckpts.wait()
+    with WorkdirLock(workdir):  # a writer like train.py: refused (exit 2, nothing written) while one runs
+        refuse_a_used_workdir()  # again, now that no other writer can start meanwhile
+        params = jax.device_put(params, run.param_shardings)
+        train_state = jax.jit(lambda p: new_state(run, p), out_shardings=run.state_shardings)(params)
+        paths.write_atomic(paths.join(workdir, "config.json"), cfg.to_json(indent=2))
+        ckpts = Checkpoints(ckpt_dir, keep=cfg.train.keep_checkpoints)
+        # No data iterator to record: training on this workdir directly is refused by the
+        # iterator's state check; start a new run with --config.init_from=<this workdir> instead.
+        ckpts.save(0, train_state, {"step": 0, "imported_from": os.path.abspath(path)}, cfg.to_json())
+        ckpts.wait()
     return dict(workdir=paths.absolute(workdir), step=0, source=os.path.abspath(path),
                 model_type=hf.get("model_type"), config=cfg.name, arch=cfg.model.arch, head=cfg.model.head)
 

@@ -14,12 +14,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import cli, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
-from onona_jax.train.lock import WorkdirLock
+from onona_jax.train.lock import WorkdirLock, check as check_lock
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
 from onona_jax.train.upcycle import upcycle
@@ -181,7 +182,9 @@ def check_writable(directory: str):
 
 def check_resume(cfg, run, workdir: str):
     """A rerun on a workdir with checkpoints must be the same run: every key outside
-    config.RESUMABLE_KEYS as saved with the newest checkpoint. Read-only; before any write."""
+    config.RESUMABLE_KEYS as saved with the newest checkpoint, the same data (wherever it now
+    lies: `check_same_data`) and, if train.steps changed, the same learning rate for every
+    step already taken (`check_schedule`). Read-only; before any write."""
     from onona_jax import config as config_lib
 
     directory = paths.join(workdir, "checkpoints")
@@ -191,7 +194,8 @@ def check_resume(cfg, run, workdir: str):
     if newest is None:
         return
     step, saved = newest
-    conflicts = config_lib.resume_conflicts(config_lib.from_saved(saved, f"{directory}/{step}"), cfg)
+    saved = config_lib.from_saved(saved, f"{directory}/{step}")
+    conflicts = config_lib.resume_conflicts(saved, cfg)
     if conflicts:
         listed = "; ".join(f"{k}: {a!r} → {b!r}" for k, a, b in conflicts)
         raise ValueError(
@@ -201,9 +205,77 @@ def check_resume(cfg, run, workdir: str):
             f"train the new one in a new --workdir (keys that may change on resume: "
             f"onona_jax/config.py RESUMABLE_KEYS)"
         )
+    check_same_data(saved, cfg, workdir)
     if run.steps < step:
         raise ValueError(f"train.steps resolves to {run.steps}, below the checkpoint's step {step} in "
                          f"{directory}; give train.steps >= {step} (or use a new --workdir)")
+    check_schedule(saved, run, step, workdir)
+
+
+def check_schedule(saved, run, step: int, workdir: str):
+    """A changed step budget moves the WSD decay; it may change on resume only while that
+    leaves the learning rate of every step already taken (optimizer steps 0..step-1) as it
+    was, i.e. while the decay has begun under neither budget. The schedules themselves are
+    compared (`optimizer.first_changed_step`), so this rule follows `optimizer.wsd`."""
+    from onona_jax.train import optimizer
+    from onona_jax.train.state import dense_standard_params
+
+    planned = optimizer.total_steps(saved, dense_standard_params(saved))  # train.steps=0: derived
+    if planned == run.steps:
+        return
+    before = optimizer.schedule(saved, planned)
+    changed = optimizer.first_changed_step(before, run.schedule, step)
+    if changed is None:
+        return
+    was, now = float(before(changed)), float(run.schedule(changed))
+    keep = saved.train.steps or f"0 (derived: {planned})"
+    raise ValueError(
+        f"train.steps resolves to {run.steps} but the run in {workdir} was planned for {planned} steps and "
+        f"has taken {step}; under the WSD schedule that changes the learning rate of a step already taken "
+        f"(step {changed + 1}: {was:.4g} → {now:.4g}): under one of the two budgets the decay (over the last "
+        f"train.decay_fraction of the steps) begins by step {step}. Either keep train.steps={keep} to finish "
+        f"the run as planned, or train the "
+        f"{'longer' if run.steps > planned else 'shorter'} run in a new --workdir (train.steps may change on "
+        "resume only before the decay begins)"
+    )
+
+
+def check_same_data(saved, cfg, workdir: str):
+    """data.dir and data.cache_dir may change on resume (the data moved, or its local copy did)
+    when the data is the same: the identity of the requested data dir (storage.data_identity:
+    its manifest's shard list) must equal the one recorded when the run last started
+    (WORKDIR/data_verified.json), or else the saved data dir's. Read-only."""
+    from onona_jax.data import storage
+
+    def where(c):  # data.dir="" is the bundled corpus, prepared into the workdir
+        return c.data.dir or paths.join(workdir, "data")
+
+    saved_dir, requested_dir = where(saved), where(cfg)
+    recorded = storage.recorded_identity(workdir)
+    if recorded is None:  # a workdir of an older version: the saved data dir's manifest, if it is there
+        try:
+            recorded = storage.data_identity(saved_dir)
+        except (ValueError, OSError):
+            pass
+    try:
+        requested = storage.data_identity(requested_dir)
+    except (ValueError, OSError):
+        requested = None  # the bundled corpus not prepared yet (train() checked a given data.dir)
+    if recorded is None or requested is None:
+        if saved.data.dir == cfg.data.dir:  # nothing to compare with, and the same data dir
+            return
+        why = (f"no {paths.join(workdir, 'data_verified.json')} and no readable manifest in {saved_dir}"
+               if recorded is None else f"no readable manifest in {requested_dir}")
+        raise ValueError(
+            f"{workdir} holds a run trained on {saved_dir}; cannot tell whether {requested_dir} holds the same "
+            f"data ({why}). Resume that run with its data (data.dir={saved.data.dir!r}), or train on "
+            f"{requested_dir} in a new --workdir")
+    if requested != recorded:
+        raise ValueError(
+            f"{workdir} holds a run trained on {saved_dir}, but {requested_dir} holds other data (its manifest "
+            f"lists other shards: identity {requested[:12]}, the run's {recorded[:12]}). Resume that run with its "
+            f"data (data.dir={saved.data.dir!r}, or wherever that data now lies), or train on {requested_dir} in "
+            "a new --workdir")
 
 
 def save_failure(ckpts, err) -> cli.Failure:
@@ -226,7 +298,8 @@ def save_failure(ckpts, err) -> cli.Failure:
 
 # What a start creates directly under the workdir (`_run`, before its first step; the lock's files
 # are the lock's), removed again when that start is refused (`_remove_new`).
-STARTUP_ENTRIES = ("checkpoints", "config.json", "data", "data_verified.json", "metrics.jsonl", "tensorboard")
+STARTUP_ENTRIES = ("checkpoints", "config.json", "data", "data_verified.json",  # (storage.RECORD)
+                   "metrics.jsonl", "tensorboard")
 
 
 def _entries(workdir: str) -> set[str] | None:
@@ -269,7 +342,30 @@ def prepare_data(cfg, workdir: str) -> str:
     return data_dir
 
 
-def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bool = False) -> dict:
+def take_lock(workdir: str) -> WorkdirLock:
+    """Process 0 takes the workdir's lock, and no process goes on before every process knows it
+    did: one racing ahead would create checkpoints/ while process 0 still checks the run, and
+    the processes would then disagree on what to restore (Orbax's collectives hang or fail)."""
+    failure = None
+    try:
+        lock = WorkdirLock(workdir).acquire()
+    except ValueError as err:  # held by another run
+        failure = err
+    except OSError as err:
+        failure = cli.Failure(f"cannot write to {workdir} ({err.strerror or err}); make it writable "
+                              "or choose another --workdir")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        took = multihost_utils.broadcast_one_to_all(np.int32(failure is None))
+        if failure is None and not took:
+            failure = cli.Failure(f"process 0 could not take the lock of {workdir}; its error line says why")
+    if failure is not None:
+        raise failure from None
+    return lock
+
+
+def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     """Train (or resume) in `workdir`; returns the final evaluation. Holds the workdir's lock
     (`lock.json`) from its first write to its return, whatever ends the run."""
     from onona_jax.data import pipeline
@@ -285,13 +381,13 @@ def train(cfg, workdir: str, devices=None, progress: bool = True, break_lock: bo
     check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
     fresh = not paths.is_cloud(workdir) and not os.path.exists(workdir)
     try:
-        try:
-            lock = WorkdirLock(workdir, break_lock).acquire()
-        except OSError as err:
-            raise cli.Failure(f"cannot write to {workdir} ({err.strerror or err}); make it writable "
-                              "or choose another --workdir") from None
+        lock = take_lock(workdir)
         try:
             check_resume(cfg, run, workdir)  # again, now that no other run can write meanwhile
+            if jax.process_count() > 1:  # every process has read the workdir before any writes to it
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("resume checked")
             return _train(cfg, run, workdir, progress)
         finally:
             lock.release()
@@ -333,7 +429,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     try:  # (a full disk here is a runtime refusal: `_train` removes what this start made)
         data_dir = prepare_data(cfg, workdir)
         cache = cfg.data.cache_dir or None
-        if jax.process_index() == 0:  # every shard against the manifest's hash, once per workdir
+        if jax.process_index() == 0:  # every shard against the manifest's hash, once per change of the shard
             storage.verify_once(data_dir, workdir)
     except OSError as err:
         what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
@@ -439,6 +535,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
         if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
             validate(0)
         for step in range(start + 1, run.steps + 1):
+            check_lock()  # a run whose workdir lock was lost (a bucket lease) stops here
             state, metrics = train_step(state, global_batch(run, next(batches)))
             bar.update(1)
             check_saves()

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -44,12 +45,30 @@ def decay_mask(logical_axes) -> dict:
     )
 
 
+def schedule(cfg, steps: int):
+    """The run's learning-rate schedule over `steps` optimizer steps (0-based counts)."""
+    t = cfg.train
+    return wsd(t.lr, t.final_lr, t.warmup_steps, steps, t.decay_fraction)
+
+
+def first_changed_step(a, b, steps: int) -> int | None:
+    """The first optimizer step of 0..steps-1 whose learning rate differs between schedules
+    `a` and `b` (evaluated, not derived from their formula), or None: a run that has taken
+    `steps` steps under `a` may go on under `b` exactly when this is None."""
+    counts = jnp.arange(steps)
+    changed = np.flatnonzero(np.asarray(a(counts)) != np.asarray(b(counts)))
+    return int(changed[0]) if changed.size else None
+
+
 def make_optimizer(cfg, steps: int, logical_axes) -> tuple[optax.GradientTransformation, callable]:
     t = cfg.train
-    schedule = wsd(t.lr, t.final_lr, t.warmup_steps, steps, t.decay_fraction)
+    lr = schedule(cfg, steps)
     mask = decay_mask(logical_axes) if not t.decay_vectors else None
+    # grad_clip 0 = no clipping (clip_by_global_norm(0) would zero every update). Both have
+    # an empty state, so the optimizer state has one structure either way.
+    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
     tx = optax.chain(
-        optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask),
+        clip,
+        optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask),
     )
-    return tx, schedule
+    return tx, lr
