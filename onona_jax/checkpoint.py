@@ -292,12 +292,13 @@ class Checkpoints:
         if not self.manager.is_saving_in_progress():
             self.manager.wait_until_finished()  # finished: returns at once, raising its error
 
-    def stop(self, timeout: float = 30.0):
+    def stop(self, remove: bool = True, timeout: float = 30.0):
         """After a failure: let the save in flight finish or fail (errors ignored: the caller
         reports its own), wait up to `timeout` s more for Orbax's other writer threads (a
-        failed save's per-item threads), then remove the temporaries of failed saves
-        (`remove_unfinished`), so a full disk is not kept full. A writer left running at exit
-        would print "Event loop is closed" tracebacks (`without_orbax_tracebacks`)."""
+        failed save's per-item threads), then, if `remove` (the caller still holds the workdir's
+        lock), remove the temporaries of failed saves (`remove_unfinished`), so a full disk is
+        not kept full. A writer left running at exit would print "Event loop is closed"
+        tracebacks (`without_orbax_tracebacks`)."""
         try:
             self.manager.wait_until_finished()
         except Exception:  # noqa: BLE001 - already failing: that error is the one reported
@@ -311,7 +312,7 @@ class Checkpoints:
             except BaseException:  # noqa: BLE001 - Orbax's join re-raises the thread's own error
                 pass
         # Another host may still write its part of a failed step: there the next start removes it.
-        if jax.process_count() == 1 and not _orbax_threads():
+        if remove and jax.process_count() == 1 and not _orbax_threads():
             self.remove_unfinished()
 
     def remove_unfinished(self) -> list[str]:

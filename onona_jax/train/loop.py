@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from onona_jax import cli, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
-from onona_jax.train.lock import WorkdirLock, check as check_lock
+from onona_jax.train.lock import LockLost, WorkdirLock, check as check_lock
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
 from onona_jax.train.upcycle import upcycle
@@ -414,10 +414,19 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
             for part in ("bar", "log"):
                 if part in held:
                     held[part].close()
+            ours = failed and _still_locked()  # (a lost lock: the workdir may be another run's now)
             if failed and "ckpts" in held:
-                held["ckpts"].stop()  # the save in flight ends; failed saves' directories are removed
-            if failed and "stepping" not in held:
+                held["ckpts"].stop(remove=ours)  # the save in flight ends; failed saves' directories go
+            if ours and "stepping" not in held:
                 _remove_new(workdir, before)  # a refused start leaves the workdir as it found it
+
+
+def _still_locked() -> bool:
+    try:
+        check_lock()
+    except LockLost:
+        return False
+    return True
 
 
 def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
