@@ -118,13 +118,34 @@ class _WithoutOrbaxTracebacks:
 
 @contextlib.contextmanager
 def without_orbax_tracebacks():
-    """For a training run: Orbax's asynchronous writers fail in their own threads."""
+    """For a training run: Orbax's asynchronous writers fail in their own threads. The scope
+    must include the wait for those threads (train's failure path: `Checkpoints.stop`): a
+    report printed after it ends passes unfiltered, and a writer still running at interpreter
+    exit fails again with "Event loop is closed" and "cannot schedule new futures after
+    interpreter shutdown" (how those tracebacks escaped when the filter covered the loop alone).
+
+    A failed save also ends its thread's event loop while some of its TensorStore writes are
+    still in flight; their completion callbacks then find the loop closed, and TensorStore
+    reports each through sys.excepthook (PyErr_Print), from its own threads, several at once:
+    interleaved text no line filter can take apart. Those exceptions are dropped at the hook
+    (`_closed_loop_callback`: exactly that error, raised in `call_soon_threadsafe`)."""
     class NoOrbaxRecords(logging.Filter):  # Orbax logs each failed writer thread's traceback
         def filter(self, record):
             return "/orbax/" not in record.pathname.replace(os.sep, "/")
 
     previous, records = sys.stderr, NoOrbaxRecords()
+    hooks = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, value, tb):
+        if not _closed_loop_callback(value, tb):
+            hooks[0](kind, value, tb)
+
+    def unraisablehook(unraisable):
+        if not _closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
+            hooks[1](unraisable)
+
     sys.stderr = _WithoutOrbaxTracebacks(previous)
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
     loggers = [logging.getLogger(n) for n in ("absl", "")]
     for lg in loggers:
         lg.addFilter(records)
@@ -134,10 +155,23 @@ def without_orbax_tracebacks():
         yield
     finally:
         sys.stderr = previous
+        sys.excepthook, sys.unraisablehook = hooks
         for lg in loggers:
             lg.removeFilter(records)
             for handler in lg.handlers:
                 handler.removeFilter(records)
+
+
+def _closed_loop_callback(err, tb) -> bool:
+    """True for asyncio's RuntimeError('Event loop is closed') raised in `call_soon_threadsafe`:
+    a completion callback into an event loop that already ended."""
+    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
+        return False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _drop_orbax_leftovers():
@@ -210,11 +244,18 @@ class Checkpoints:
         else:
             self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
+        self.saved: int | None = None  # the step of the newest save started
         self.manager = ocp.CheckpointManager(
             self.directory,
             item_names=("state", "data", "config"),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=not read_only, read_only=read_only
+                max_to_keep=keep, create=not read_only, read_only=read_only,
+                # The step's temporary directories are made inside save(), on the caller's thread,
+                # so a read-only or full checkpoints/ fails there. Made asynchronously (Orbax's
+                # default), a failed mkdir leaves every writer thread waiting 300 s
+                # (multihost.coordination_timeout) for a "directory created" signal that never
+                # comes, and the process cannot exit before they give up. Costs one mkdir per item.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
         )
 
@@ -226,6 +267,11 @@ class Checkpoints:
         return steps[-1] if steps else None
 
     def save(self, step: int, state, data_state: dict, config_json: str):
+        """Start writing `step` (the arrays are written in the background). Raises the error of
+        the previous save if that one failed, or of this one's synchronous part: `saved` is the
+        step whose save failed, whichever raises (as for `wait` and `check`)."""
+        self.manager.wait_until_finished()  # (Orbax's save starts with it too)
+        self.saved = step
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -237,6 +283,60 @@ class Checkpoints:
 
     def wait(self):
         self.manager.wait_until_finished()
+
+    def check(self):
+        """Raise the error of the newest save if it has finished and failed; never waits for a
+        save still writing (cheap enough for every step). Orbax's own check_for_errors misses
+        most failures: its finalize thread takes the error first and keeps it for
+        wait_until_finished."""
+        if not self.manager.is_saving_in_progress():
+            self.manager.wait_until_finished()  # finished: returns at once, raising its error
+
+    def stop(self, remove: bool = True, timeout: float = 30.0):
+        """After a failure: let the save in flight finish or fail (errors ignored: the caller
+        reports its own), wait up to `timeout` s more for Orbax's other writer threads (a
+        failed save's per-item threads), then, if `remove` (the caller still holds the workdir's
+        lock), remove the temporaries of failed saves (`remove_unfinished`), so a full disk is
+        not kept full. A writer left running at exit would print "Event loop is closed"
+        tracebacks (`without_orbax_tracebacks`)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001 - already failing: that error is the one reported
+            pass
+        deadline = time.monotonic() + timeout
+        for thread in _orbax_threads():
+            try:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # noqa: BLE001 - Orbax's join re-raises the thread's own error
+                pass
+        # Another host may still write its part of a failed step: there the next start removes it.
+        if remove and jax.process_count() == 1 and not _orbax_threads():
+            self.remove_unfinished()
+
+    def remove_unfinished(self) -> list[str]:
+        """Remove the step directories no save will finish: Orbax's `<step>.orbax-checkpoint-tmp*`
+        locally, a `<step>/` without its commit marker in a bucket. Only for the run's writer
+        (train.py holds the workdir's lock, so no other process writes here), with no save of
+        its own in flight; a committed step and anything else (`corrupt/`) are never touched.
+        Returns what was removed."""
+        if self.read_only or jax.process_index() != 0 or not self.directory.is_dir():
+            return []
+        marker = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
+        removed = []
+        for entry in self.directory.iterdir():
+            step, _, rest = entry.name.partition(".")
+            if not step.isdigit():
+                continue
+            if rest.startswith("orbax-checkpoint-tmp") or (not rest and paths.is_cloud(entry)
+                                                           and not (entry / marker).exists()):
+                try:
+                    entry.rmtree()
+                except Exception:  # noqa: BLE001 - e.g. read-only: it stays until a start can remove it
+                    continue
+                removed.append(entry.name)
+        return removed
 
     def restore(self, step: int, abstract_state):
         """(state, data_state, config dict) at `step`, placed as `abstract_state`'s shardings say."""
@@ -402,6 +502,16 @@ class Checkpoints:
         # Reload the manager's view of which steps exist.
         self.manager.reload()
         return str(dst)
+
+
+def _orbax_threads() -> list[threading.Thread]:
+    """Orbax's live writer threads (its save, finalize and per-item commit threads)."""
+    def module(t):
+        target = getattr(t, "_target", None)  # a plain Thread's target, e.g. AsyncCheckpointer's
+        return f"{type(t).__module__} {getattr(target, '__module__', '')}"
+
+    return [t for t in threading.enumerate()
+            if t is not threading.current_thread() and t.is_alive() and "orbax." in module(t)]
 
 
 def _move_objects(src: epath.Path, dst: epath.Path) -> None:

@@ -46,8 +46,22 @@ def probe_writable(directory: str) -> None:
     from onona_jax import paths
 
     probe = paths.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")  # one per process
-    paths.makedirs(directory)
-    paths.write_atomic(probe, "ok")
+    made = []  # the directories this creates, deepest first: removed again if the probe fails
+    if not paths.is_cloud(directory):
+        d = os.path.abspath(directory)
+        while not os.path.exists(d):
+            made.append(d)
+            d = os.path.dirname(d)
+    try:
+        paths.makedirs(directory)
+        paths.write_atomic(probe, "ok")
+    except OSError:
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        raise
     paths.remove(probe)
 
 

@@ -155,8 +155,15 @@ def upload(local_file, p) -> None:
     directory = os.path.dirname(os.path.abspath(p))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{p}.tmp-{os.getpid()}"
-    shutil.copyfile(local_file, tmp)
-    os.replace(tmp, p)
+    try:
+        shutil.copyfile(local_file, tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def write_json(p, obj) -> None:
@@ -174,15 +181,18 @@ def create_exclusive(p, data: str | bytes) -> bool:
             return False
         return True
     tmp = f"{p}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
     try:
+        with open(tmp, "wb") as f:  # (a failed write, e.g. a full disk, leaves no temporary either)
+            f.write(data)
         os.link(tmp, p)  # fails if `p` exists: the whole file or nothing appears
         return True
     except FileExistsError:
         return False
     finally:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
 
 class Appender:
@@ -243,34 +253,3 @@ class Appender:
     def close(self) -> None:
         if not self.cloud:
             os.close(self.fd)
-
-
-class Mirror:
-    """A local directory whose files are copied to a cloud directory at each `sync()`, for writers
-    that only write local files (TensorBoard's event writer). For a local target it is the target."""
-
-    def __init__(self, target):
-        self.target = os.fspath(target)
-        self.cloud = is_cloud(target)
-        self.local = tempfile.mkdtemp(prefix="onona-mirror-") if self.cloud else self.target
-        self._sizes: dict[str, int] = {}
-
-    def sync(self) -> None:
-        if not self.cloud:
-            return
-        for root, _, files in os.walk(self.local):
-            for name in files:
-                src = os.path.join(root, name)
-                size = os.path.getsize(src)
-                if self._sizes.get(src) != size:
-                    rel = os.path.relpath(src, self.local)
-                    with open(src, "rb") as f:
-                        write_atomic(join(self.target, rel), f.read())
-                    self._sizes[src] = size
-
-    def close(self) -> None:
-        if self.cloud:
-            import shutil
-
-            self.sync()
-            shutil.rmtree(self.local, ignore_errors=True)

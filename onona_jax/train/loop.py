@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import signal
 import sys
 import time
@@ -18,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from onona_jax import cli, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
-from onona_jax.train.lock import WorkdirLock, check as check_lock
+from onona_jax.train.lock import LockLost, WorkdirLock, check as check_lock
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
 from onona_jax.train.upcycle import upcycle
@@ -74,28 +76,52 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-class MetricsLog:
-    """metrics.jsonl (one JSON object per logged step) and TensorBoard, from process 0 only.
+def tensorboard_records(step: int, metrics: dict, wall_time: float, first: bool = False) -> bytes:
+    """One logged step's scalars as TensorBoard event-file records (TFRecord framing: length,
+    its CRC, the `Event` proto, its CRC), one event per scalar as tensorboardX's add_scalar
+    writes them; `first`: the file's version record before them."""
+    import struct
 
-    A line is written with one append (`paths.Appender`: no torn line, locally or in a bucket).
-    A torn last line left by an older version or a crash is removed when a run resumes, and the
-    restart is marked by a line `{"step": S, "restart": true}`. In a bucket, TensorBoard writes
-    to a local directory mirrored to WORKDIR/tensorboard at each logged step."""
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+    from tensorboardX.summary import scalar
+
+    events = [event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2")] if first else []
+    events += [event_pb2.Event(wall_time=wall_time, step=step, summary=scalar(k, v)) for k, v in metrics.items()]
+    out = bytearray()
+    for event in events:
+        data = event.SerializeToString()
+        head = struct.pack("Q", len(data))
+        out += head + struct.pack("I", masked_crc32c(head)) + data + struct.pack("I", masked_crc32c(data))
+    return bytes(out)
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per logged step) and TensorBoard events, from process 0 only.
+
+    Both are written alike, on the calling thread: one append per logged step (`paths.Appender`:
+    no torn line or record, locally or in a bucket), and a failed append (a full disk) stops the
+    run with one error line. (tensorboardX's SummaryWriter writes from a thread of its own: on a
+    full disk that thread died with a traceback, and its close() raised over the run's own error.)
+    The events file is made at the first logged step, so a start refused before it leaves none.
+    A torn last line of metrics.jsonl left by an older version or a crash is removed when a run
+    resumes, and the restart is marked by a line `{"step": S, "restart": true}`."""
 
     def __init__(self, workdir: str):
+        import socket
+
         self.primary = jax.process_index() == 0
         self.path = paths.join(workdir, "metrics.jsonl")
+        self.tb_path = paths.join(workdir, "tensorboard", f"events.out.tfevents.{int(time.time())}."
+                                                          f"{socket.gethostname()}.{os.getpid()}")
+        self.file = self.tb = None
         if self.primary:
-            from tensorboardX import SummaryWriter
-
             try:
                 self.file = paths.Appender(self.path)
                 self.resumed = self._repair()
             except OSError as err:
                 raise cli.Failure(f"cannot write {self.path} ({err.strerror or err}); make the workdir "
                                   "writable (or free space), then rerun the same command") from None
-            self.tb_dir = paths.Mirror(paths.join(workdir, "tensorboard"))
-            self.tb = SummaryWriter(self.tb_dir.local)
 
     def _repair(self) -> bool:
         """Cut a torn last line (no newline); True when the file already held lines."""
@@ -111,34 +137,37 @@ class MetricsLog:
               "removed it", file=sys.stderr)
         return keep > 0
 
-    def _append(self, line: str):
+    def _append(self, data: bytes, tensorboard: bool = False):
+        path = self.tb_path if tensorboard else self.path
         try:
-            self.file.append(line.encode())
+            if tensorboard and self.tb is None:
+                self.tb = paths.Appender(self.tb_path)
+            (self.tb if tensorboard else self.file).append(data)
         except OSError as err:
             raise cli.Failure(
-                f"could not write {self.path} ({err.strerror or err}); stopping. Free space on that "
-                f"filesystem, then rerun the same command to resume from the last checkpoint"
+                f"could not write {path} ({err.strerror or err}); stopping. Free space on that "
+                f"filesystem (or make it writable), then rerun the same command to resume from the last checkpoint"
             ) from None
 
     def restart(self, step: int):
         if self.primary and self.resumed:
-            self._append(json.dumps({"step": step, "restart": True, "time": time.time()}) + "\n")
+            self._append((json.dumps({"step": step, "restart": True, "time": time.time()}) + "\n").encode())
 
     def write(self, step: int, metrics: dict):
         if not self.primary:
             return
-        self._append(json.dumps({"step": step, **metrics}) + "\n")
-        for k, v in metrics.items():
-            self.tb.add_scalar(k, v, step)
-        if self.tb_dir.cloud:
-            self.tb.flush()
-            self.tb_dir.sync()
+        self._append((json.dumps({"step": step, **metrics}) + "\n").encode())
+        self._append(tensorboard_records(step, metrics, time.time(), first=self.tb is None), tensorboard=True)
 
     def close(self):
-        if self.primary:
-            self.file.close()
-            self.tb.close()
-            self.tb_dir.close()
+        """Never raises: every logged step is already written whole."""
+        for f in (self.file, self.tb):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self.file = self.tb = None
 
 
 def check_writable(directory: str):
@@ -249,16 +278,52 @@ def check_same_data(saved, cfg, workdir: str):
             "a new --workdir")
 
 
-def save_failure(ckpts, step, err) -> cli.Failure:
+def save_failure(ckpts, err) -> cli.Failure:
+    """The error line of a failed save: the step whose save failed (`Checkpoints.saved`), the
+    directory, the cause, and the last step that is whole."""
     from onona_jax.checkpoint import short_error
 
-    what = f"a checkpoint (found when saving step {step})" if step is not None else "a checkpoint"
+    what = f"a checkpoint (step {ckpts.saved})" if ckpts.saved is not None else "a checkpoint"
+    reason = short_error(err)
+    code = re.search(r"os_error_code='(\d+)'", str(err))  # TensorStore's: the OS's reason first, before its paths
+    if code:
+        reason = f"{os.strerror(int(code.group(1)))}; {reason}"
     good = [s for s in ckpts.steps() if paths.exists(paths.join(ckpts.directory, str(s), "commit_success.txt"))]
     return cli.Failure(
-        f"could not write {what} to {ckpts.directory} ({short_error(err)}); stopping. The last good "
+        f"could not write {what} to {ckpts.directory} ({reason}); stopping. The last good "
         f"checkpoint (step {good[-1] if good else 'none'}) is intact; free space or fix the directory's "
         "permissions, then rerun the same command to resume"
     )
+
+
+# What a start creates directly under the workdir (`_run`, before its first step; the lock's files
+# are the lock's), removed again when that start is refused (`_remove_new`).
+STARTUP_ENTRIES = ("checkpoints", "config.json", "data", "data_verified.json",  # (storage.RECORD)
+                   "metrics.jsonl", "tensorboard")
+
+
+def _entries(workdir: str) -> set[str] | None:
+    """Which of STARTUP_ENTRIES exist under `workdir` (process 0; None elsewhere)."""
+    if jax.process_index() != 0:
+        return None
+    return {name for name in STARTUP_ENTRIES if paths.exists(paths.join(workdir, name))}
+
+
+def _remove_new(workdir: str, before: set[str] | None):
+    """After a start that failed before its first step: remove the STARTUP_ENTRIES it created
+    (an empty checkpoints/, config.json, metrics.jsonl, a prepared data/, ...), so a refused
+    start leaves the workdir as it found it. The run holds the workdir's lock: they are its own."""
+    if before is None:
+        return
+    for name in set(STARTUP_ENTRIES) - before:
+        entry = paths.path(paths.join(workdir, name))
+        try:
+            if entry.is_dir():
+                entry.rmtree()
+            elif entry.exists():
+                entry.unlink()
+        except Exception:  # noqa: BLE001 - already failing: that error is the one reported
+            pass
 
 
 def prepare_data(cfg, workdir: str) -> str:
@@ -314,28 +379,71 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     if cfg.init_from and not paths.isdir(paths.join(cfg.init_from, "checkpoints")):
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
-    lock = take_lock(workdir)
+    fresh = not paths.is_cloud(workdir) and not os.path.exists(workdir)
     try:
-        check_resume(cfg, run, workdir)  # again, now that no other run can write meanwhile
-        if jax.process_count() > 1:  # every process has read the workdir before any writes to it
-            from jax.experimental import multihost_utils
+        lock = take_lock(workdir)
+        try:
+            check_resume(cfg, run, workdir)  # again, now that no other run can write meanwhile
+            if jax.process_count() > 1:  # every process has read the workdir before any writes to it
+                from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices("resume checked")
-        return _train(cfg, run, workdir, progress)
+                multihost_utils.sync_global_devices("resume checked")
+            return _train(cfg, run, workdir, progress)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        if fresh:  # a start refused before its first step leaves no empty workdir either
+            try:
+                os.rmdir(workdir)  # (only if empty)
+            except OSError:
+                pass
 
 
 def _train(cfg, run, workdir: str, progress: bool) -> dict:
+    # The whole run, its failure and the waits after it inside the filter: Orbax's writers fail in
+    # their own threads, and a failure waits for them (`Checkpoints.stop`), so they report in here.
+    with without_orbax_tracebacks():
+        before = _entries(workdir)
+        held = {}  # what `_run` opened: "ckpts", "log", "bar"; "stepping" once start-up is done
+        failed = True
+        try:
+            result = _run(cfg, run, workdir, progress, held)
+            failed = False
+            return result
+        finally:
+            for part in ("bar", "log"):
+                if part in held:
+                    held[part].close()
+            ours = failed and _still_locked()  # (a lost lock: the workdir may be another run's now)
+            if failed and "ckpts" in held:
+                held["ckpts"].stop(remove=ours)  # the save in flight ends; failed saves' directories go
+            if ours and "stepping" not in held:
+                _remove_new(workdir, before)  # a refused start leaves the workdir as it found it
+
+
+def _still_locked() -> bool:
+    try:
+        check_lock()
+    except LockLost:
+        return False
+    return True
+
+
+def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     from tqdm import tqdm
 
     from onona_jax.data import pipeline, storage
 
     check_writable(paths.join(workdir, "checkpoints"))
-    data_dir = prepare_data(cfg, workdir)
-    cache = cfg.data.cache_dir or None
-    if jax.process_index() == 0:  # every shard against the manifest's hash, once per change of the shard
-        storage.verify_once(data_dir, workdir)
+    try:  # (a full disk here is a runtime refusal: `_train` removes what this start made)
+        data_dir = prepare_data(cfg, workdir)
+        cache = cfg.data.cache_dir or None
+        if jax.process_index() == 0:  # every shard against the manifest's hash, once per change of the shard
+            storage.verify_once(data_dir, workdir)
+    except OSError as err:
+        what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        raise cli.Failure(f"could not prepare or check the data for {workdir} ({what}); free space (or fix "
+                          "that file's permissions), then rerun the same command") from None
     val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
                                               cache_dir=cache)
     if jax.process_index() == 0:
@@ -345,7 +453,11 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
             raise cli.Failure(f"could not write {workdir}/config.json ({err.strerror or err}); free space "
                               "or make the workdir writable, then rerun the same command") from None
 
-    ckpts = Checkpoints(paths.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    ckpts = held["ckpts"] = Checkpoints(paths.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    removed = ckpts.remove_unfinished()  # a failed or killed save's leftovers
+    if removed:
+        print(f"removed unfinished checkpoint directories {removed} from {ckpts.directory} (saves that "
+              "failed or were killed)", file=sys.stderr)
     restored = ckpts.restore_latest(abstract_train_state(run))
     batches = pipeline.train_batches(
         data_dir, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
@@ -367,12 +479,12 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     peak = peak_tflops(cfg)
-    log = MetricsLog(workdir)
+    log = held["log"] = MetricsLog(workdir)
     log.restart(start)
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
-    bar = tqdm(total=run.steps, initial=start, disable=not progress or jax.process_index() != 0,
-               dynamic_ncols=True, desc=cfg.name or "train")
+    bar = held["bar"] = tqdm(total=run.steps, initial=start, disable=not progress or jax.process_index() != 0,
+                             dynamic_ncols=True, desc=cfg.name or "train")
 
     def flush():
         """Bring logged metrics to the host (one transfer per log interval); stop on NaN."""
@@ -396,10 +508,13 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
             log.write(s, m)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         pending.clear()
-        try:  # a failed asynchronous save stops the run now, not at the next checkpoint
-            ckpts.manager.check_for_errors()
+
+    def check_saves():
+        """A failed asynchronous save stops the run after the step it is found in."""
+        try:
+            ckpts.check()
         except Exception as err:  # noqa: BLE001
-            raise save_failure(ckpts, None, err) from None
+            raise save_failure(ckpts, err) from None
 
     def save(step):
         flush()  # never save parameters that produced a non-finite loss,
@@ -411,51 +526,44 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
         try:
             ckpts.save(step, state, batches.get_state(), cfg.to_json())
         except Exception as err:  # noqa: BLE001 - a failed write (full disk, read-only, quota)
-            raise save_failure(ckpts, step, err) from None
+            raise save_failure(ckpts, err) from None
 
     def wait():
         try:
             ckpts.wait()
         except Exception as err:  # noqa: BLE001 - the asynchronous part of a save failed
-            raise save_failure(ckpts, None, err) from None
+            raise save_failure(ckpts, err) from None
 
     def validate(step, tables=(None,)):
         result = evaluator(state["params"], val_windows, tables, cfg.eval.batch)
         log.write(step, result)
         return result
 
-    result = {}
-    try:
-        with Preemption() as preempt, without_orbax_tracebacks():
-            if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
-                validate(0)
-            for step in range(start + 1, run.steps + 1):
-                check_lock()  # a run whose workdir lock was lost (a bucket lease) stops here
-                state, metrics = train_step(state, global_batch(run, next(batches)))
-                bar.update(1)
-                if step % cfg.train.log_every == 0 or step == run.steps:
-                    pending.append((step, metrics))
-                    flush()
-                elif step % cfg.train.checkpoint_every == 0 or step % cfg.train.eval_every == 0:
-                    pending.append((step, metrics))
-                if step % cfg.train.eval_every == 0 and step != run.steps:
-                    validate(step)
-                if step % cfg.train.checkpoint_every == 0 or step == run.steps:
-                    save(step)
-                if preempt.reached(step) and step != run.steps:
-                    save(step)
-                    wait()
-                    print(f"pre-empted: saved step {step}; rerun the same command to resume",
-                          file=sys.stderr)
-                    return {"step": step, "preempted": True}
-            wait()
-            result = validate(run.steps, variants(cfg.model))
-    finally:
-        bar.close()
-        log.close()
-        try:
-            ckpts.wait()
-        except Exception:  # noqa: BLE001 - already failing: that error is the one reported
-            pass
+    held["stepping"] = True
+    with Preemption() as preempt:
+        if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
+            validate(0)
+        for step in range(start + 1, run.steps + 1):
+            check_lock()  # a run whose workdir lock was lost (a bucket lease) stops here
+            state, metrics = train_step(state, global_batch(run, next(batches)))
+            bar.update(1)
+            check_saves()
+            if step % cfg.train.log_every == 0 or step == run.steps:
+                pending.append((step, metrics))
+                flush()
+            elif step % cfg.train.checkpoint_every == 0 or step % cfg.train.eval_every == 0:
+                pending.append((step, metrics))
+            if step % cfg.train.eval_every == 0 and step != run.steps:
+                validate(step)
+            if step % cfg.train.checkpoint_every == 0 or step == run.steps:
+                save(step)
+            if preempt.reached(step) and step != run.steps:
+                save(step)
+                wait()
+                print(f"pre-empted: saved step {step}; rerun the same command to resume",
+                      file=sys.stderr)
+                return {"step": step, "preempted": True}
+        wait()
+        result = validate(run.steps, variants(cfg.model))
     result["step"] = run.steps
     return result
