@@ -5,14 +5,12 @@ A workdir, a data dir, an eval output may be a local path or a cloud URL (`gs://
 backend is fsspec (`gcsfs` for gs://: `pip install -e '.[gcs]'`). What each store guarantees:
 
 * local disk / NFS: a file is written under a private temporary name, fsynced, then renamed over
-  its target: a reader sees the old file or the new one, never half of one. Exclusive create
-  is a hard link that fails if the name exists. (The workdir lock is train/lock.py's own.)
+  its target: a reader sees the old file or the new one, never half of one. (The workdir lock
+  is train/lock.py's own: an fcntl lock locally, a lease in a bucket.)
 * object stores (GCS, S3): a file is one object upload; an object appears whole or not at all and
   replaces the previous version in one step, so the same guarantee holds without a rename.
-  Exclusive create is a conditional upload (`ifGenerationMatch=0` on GCS: fsspec's
-  `pipe_file(mode="create")`), which the store itself refuses if the object exists. Appending
-  (metrics.jsonl, TensorBoard events) rewrites the whole object from this process's copy at
-  each flush: objects are immutable, and these files stay small.
+  Appending (metrics.jsonl, TensorBoard events) rewrites the whole object from this process's
+  copy at each flush: objects are immutable, and these files stay small.
 """
 
 from __future__ import annotations
@@ -168,31 +166,6 @@ def upload(local_file, p) -> None:
 
 def write_json(p, obj) -> None:
     write_atomic(p, json.dumps(obj, indent=2))
-
-
-def create_exclusive(p, data: str | bytes) -> bool:
-    """Write `p` whole if no file of that name exists; False (nothing written) if one does."""
-    data = data.encode() if isinstance(data, str) else data
-    if is_cloud(p):
-        fs, key = _fs(p)
-        try:
-            fs.pipe_file(key, data, mode="create")
-        except FileExistsError:
-            return False
-        return True
-    tmp = f"{p}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:  # (a failed write, e.g. a full disk, leaves no temporary either)
-            f.write(data)
-        os.link(tmp, p)  # fails if `p` exists: the whole file or nothing appears
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
 
 
 class Appender:

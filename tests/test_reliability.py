@@ -815,17 +815,6 @@ def fill(directory: Path, name: str = "ballast") -> Path:
     return ballast
 
 
-def test_create_exclusive_on_a_full_disk_leaves_no_temporary(tmp_path, tmpfs):
-    """The lock's primitive on a full disk: ENOSPC, and neither the file nor its temporary
-    (`lock.json.tmp-PID`, which kept the disk full) is left."""
-    disk = tmpfs(tmp_path / "disk", "1m")
-    fill(disk)
-    with pytest.raises(OSError) as err:
-        paths.create_exclusive(disk / "lock.json", "x" * 10_000)
-    assert err.value.errno == errno.ENOSPC
-    assert sorted(p.name for p in disk.iterdir()) == ["ballast"]
-
-
 @pytest.mark.parametrize("moment", ["checkpoints probe", "data record"])
 @pytest.mark.parametrize("workdir_kind", ["new", "resumed"])
 def test_a_start_refused_on_a_full_disk_leaves_nothing(tiny_data, run_dir, tmp_path, tmpfs, monkeypatch, capfd,

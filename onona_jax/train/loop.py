@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import cli, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
+from onona_jax.data import storage
 from onona_jax.eval.validation import Evaluator, variants
 from onona_jax.train.lock import LockLost, WorkdirLock, check as check_lock
 from onona_jax.train.state import abstract_train_state, init_state, setup
@@ -245,7 +246,6 @@ def check_same_data(saved, cfg, workdir: str):
     when the data is the same: the identity of the requested data dir (storage.data_identity:
     its manifest's shard list) must equal the one recorded when the run last started
     (WORKDIR/data_verified.json), or else the saved data dir's. Read-only."""
-    from onona_jax.data import storage
 
     def where(c):  # data.dir="" is the bundled corpus, prepared into the workdir
         return c.data.dir or paths.join(workdir, "data")
@@ -298,8 +298,7 @@ def save_failure(ckpts, err) -> cli.Failure:
 
 # What a start creates directly under the workdir (`_run`, before its first step; the lock's files
 # are the lock's), removed again when that start is refused (`_remove_new`).
-STARTUP_ENTRIES = ("checkpoints", "config.json", "data", "data_verified.json",  # (storage.RECORD)
-                   "metrics.jsonl", "tensorboard")
+STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "tensorboard")
 
 
 def _entries(workdir: str) -> set[str] | None:
@@ -432,7 +431,7 @@ def _still_locked() -> bool:
 def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     from tqdm import tqdm
 
-    from onona_jax.data import pipeline, storage
+    from onona_jax.data import pipeline
 
     check_writable(paths.join(workdir, "checkpoints"))
     try:  # (a full disk here is a runtime refusal: `_train` removes what this start made)
