@@ -107,6 +107,7 @@ def test_init_is_keyed_by_path():
     assert not np.array_equal(other_seed["head"]["embedding"], std["head"]["embedding"])
 
 
+@pytest.mark.slow  # 25 s; model.attention_impl=blocked is opt-in
 def test_blocked_attention_matches_xla_values_and_gradients():
     """`blocked_causal_attention` is the causal square without its masked blocks: the same
     values and gradients as `jax.nn.dot_product_attention` to fp32 rounding (1e-6: the key

@@ -1106,10 +1106,10 @@ def train_env():
     return env
 
 
+@pytest.mark.slow  # ~20 s; the default suite's lock tests hold the lock from a few lines of Python
 def test_two_train_processes_on_one_workdir(tiny_data, tmp_path):
     """The issue's reproduction: a second train.py (another lr) started while the first runs
-    exits 2 naming the first; the first finishes alone (metrics.jsonl holds one run). In the
-    default suite: ~20 s, the one real two-process test of the lock."""
+    exits 2 naming the first; the first finishes alone (metrics.jsonl holds one run)."""
     workdir = tmp_path / "wd"
     first = subprocess.Popen([sys.executable, "train.py", *argv(tiny_data, workdir, **ONE_DEVICE, **{"train.steps": 6})],
                              cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -321,6 +321,7 @@ def copy_checkpoints(reference, workdir: Path, steps, **saved_train) -> Path:
     return ckpts
 
 
+@pytest.mark.slow  # a train.py run that compiles a new budget's step; the default suite checks both rules in-process
 def test_moved_data_and_a_longer_budget_resume_exactly(cli, reference, tiny_data, tmp_path):
     """The reference run's checkpoints 2 and 4 (with its record of the data), resumed with the
     data dir copied elsewhere and train.steps 8 → 10, before the decay (steps 7-8 of 8, 9-10 of
