@@ -55,7 +55,7 @@ import numpy as np
 
 from absl import flags
 
-from onona_jax import cli
+from onona_jax import chips, cli
 from onona_jax import config as config_lib
 from onona_jax import summary
 from onona_jax import train as trainer
@@ -442,7 +442,7 @@ def bench_data(shapes, consumption, flops_142m_twin, log, batches=20):
         out["rows"][label] = {"seq_len": seq, "global_batch": gb, "batches": batches,
                               "tokens_per_s": batches * gb * seq / dt}
         log(f"  data {label}: {out['rows'][label]['tokens_per_s']:,.0f} tokens/s")
-    h200 = H200_TARGET_MFU * trainer.PEAK_TFLOPS["H200"] * 1e12 / flops_142m_twin
+    h200 = H200_TARGET_MFU * chips.CHIPS["h200"].peak_tflops * 1e12 / flops_142m_twin
     out["needs"] = {"fastest_measured_step": consumption,
                     "paper_142m_twin_2xH100": PAPER_142M_TWIN_TOKENS_PER_S,
                     "one_H200_142m_twin_at_45%_MFU": h200}

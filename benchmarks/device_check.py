@@ -2,12 +2,14 @@
 steps at the paper's micro-batch (16 × 1,024, bf16, one device) with
 
 * the fused loss (token-tiled, gradients in the forward pass: loss.py), XLA and
-  cuDNN attention,
+  cuDNN attention side by side (`model.attention_impl` xla and cudnn; `auto` picks cuDNN on a
+  GPU in bf16),
 * the vocabulary-tiled fused_vocab loss (loss_vocab.py) at two vocabulary chunks,
 * the plain loss,
 
-each: tokens/s, model TFLOP/s and MFU (summary.flops_per_token, no recompute, against
-trainer.PEAK_TFLOPS), XLA's memory_analysis of the compiled step (temp + arguments + outputs
+each: tokens/s, model TFLOP/s and MFU (summary.flops_per_token: causal attention at half the
+T × T square, no recompute; PaLM's full-square MFU beside it; against
+chips.CHIPS), XLA's memory_analysis of the compiled step (temp + arguments + outputs
 − aliased: the step's peak device memory as XLA plans it) and the device allocator's peak
 (`memory_stats`, where the backend has one); then decode tokens/s (two- vs one-projection
 sampling, greedy) through serving.Server. Writes device_check.json and device_check.md into
@@ -18,7 +20,7 @@ recorded as skipped, so the run fits its slot.
     python benchmarks/device_check.py --out_dir=DIR [--steps=20] [--budget_s=420] [--dry_run]
 
 --dry_run: tiny shapes (2 × 32 tokens, 2 steps) on whatever backend is here (CPU in the test
-suite): every variant's config is built and validated, one variant (twin/fused) is compiled
+suite): every variant's config is built and validated, one variant (twin/fused+xla) is compiled
 and stepped through the same code as every other, and decoding runs 4 tokens; with
 --dry_run_all every variant the backend can run is compiled and stepped. So the script cannot fail for a typo when a GPU is finally at hand.
 cuDNN attention needs a GPU: elsewhere it is recorded as skipped.
@@ -38,7 +40,7 @@ import numpy as np
 from absl import flags
 
 import bench  # benchmarks/bench.py, beside this script
-from onona_jax import cli
+from onona_jax import cli, summary
 from onona_jax import train as trainer
 
 GIB = 2.0 ** 30
@@ -48,7 +50,7 @@ CHUNKS = (2048, 8192)  # fused_vocab's vocabulary rows per tile: the default and
 
 def variants():
     """(name, loss, chunk, attention) per head, in run order (the issue's list)."""
-    out = [("fused", "fused", None, None), ("fused+cudnn", "fused", None, "cudnn")]
+    out = [("fused+xla", "fused", None, "xla"), ("fused+cudnn", "fused", None, "cudnn")]
     out += [(f"fused_vocab@{c}", "fused_vocab", c, None) for c in CHUNKS]
     out += [("plain", "plain", None, None)]
     return out
@@ -59,7 +61,7 @@ def peak_allocated():
     return stats.get("peak_bytes_in_use")
 
 
-DRY_RUN_STEPPED = ("twin/fused",)
+DRY_RUN_STEPPED = ("twin/fused+xla",)
 
 
 def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, config_only=False):
@@ -89,12 +91,14 @@ def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, c
         times.append(time.perf_counter() - t1)
     med = statistics.median(times)
     flops = bench.model_flops_per_token(cfg) * batch * seq
+    full = summary.flops_per_token(cfg.model, seq)["train_full_square"] * batch * seq
     peak = trainer.peak_tflops(cfg)
     tflops = flops / med / 1e12
     del state
     return {"status": "measured", "compile_s": compile_s, "median_s": med, "min_s": min(times),
             "tokens_per_s": batch * seq / med, "model_tflops_per_s": tflops,
-            "mfu": tflops / peak if peak else None, "loss": float(m["loss"]),
+            "mfu": tflops / peak if peak else None,
+            "mfu_full_square": full / med / 1e12 / peak if peak else None, "loss": float(m["loss"]),
             "xla_peak_gib": (mem["temp_gib"] + mem["argument_gib"] + mem["output_gib"] - mem["alias_gib"]),
             "xla_temp_gib": mem["temp_gib"], "allocator_peak_gib": (peak_allocated() or 0) / GIB or None}
 
@@ -105,16 +109,17 @@ def markdown(res) -> str:
              f"{m['device']} ({m['backend']}), jax {m['jax']}; {res['size']} Dense, micro-batch "
              f"{res['batch']} × {res['seq_len']}, {res['steps']} timed steps after 2 warm-up"
              + (" — DRY RUN (tiny shapes)" if res["dry_run"] else ""), "",
-             "| head | variant | tokens/s | MFU | median step ms | XLA peak GiB | XLA temp GiB | allocator peak GiB | compile s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| head | variant | tokens/s | MFU (causal) | MFU (full square) | median step ms | XLA peak GiB | XLA temp GiB | allocator peak GiB | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["train"].items():
         head, variant = name.split("/", 1)
         if r["status"] != "measured":
-            lines.append(f"| {head} | {variant} | {r['status']} | | | | | | |")
+            lines.append(f"| {head} | {variant} | {r['status']} | | | | | | | |")
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        mfu_full = "n/a" if r.get("mfu_full_square") is None else f"{100 * r['mfu_full_square']:.1f}%"
         alloc = "n/a" if not r["allocator_peak_gib"] else f"{r['allocator_peak_gib']:.2f}"
-        lines.append(f"| {head} | {variant} | {r['tokens_per_s']:,.0f} | {mfu} | {1e3 * r['median_s']:.1f} | "
+        lines.append(f"| {head} | {variant} | {r['tokens_per_s']:,.0f} | {mfu} | {mfu_full} | {1e3 * r['median_s']:.1f} | "
                      f"{r['xla_peak_gib']:.2f} | {r['xla_temp_gib']:.2f} | {alloc} | {r['compile_s']:.0f} |")
     dc = res.get("decode") or {}
     lines += ["", "| decode mode | decode tokens/s | incl. prefill |", "|---|---|---|"]

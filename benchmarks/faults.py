@@ -1141,6 +1141,11 @@ def _battery(fv, chosen, root: Path) -> int:
             failed.append(name)
             print(f"  FAILED   {name}  [{time.perf_counter() - t:5.1f} s]  {why}", flush=True)
             return
+        except Exception as err:  # noqa: BLE001 - an expectation the case could not even check
+            tried += 1
+            failed.append(name)
+            print(f"  FAILED   {name}  [{time.perf_counter() - t:5.1f} s]  {type(err).__name__}: {err}", flush=True)
+            return
         tried += 1
         held += 1
         print(f"  held     {name}  [{time.perf_counter() - t:5.1f} s]{'  ' + note if note else ''}", flush=True)

@@ -2,7 +2,7 @@
 
     flock /tmp/onona-heavy.lock python benchmarks/step_ab.py --rounds=10 \
         --base=configs/paper.py:dense-small-standard [--set=k=v,...] \
-        --variant=model.attention_impl=blocked [--variant=...]
+        --variant=model.remat=attention [--variant=...]
 
 Each variant is the base config with its comma-separated `key=value` overrides (values are
 parsed as Python literals where they parse, else kept as strings); `--set` applies to all. Every

@@ -21,9 +21,15 @@ shardings, compiles them with the TPU compiler and reports, per device:
   input and output on one device, times the trip counts of the loops around it (the layer
   scan, the micro-batch scan).
 
-`--fit` searches the largest micro-batch that fits (remat `none`, then `dots`, then `full`)
-and prints the overrides. A config that does not fit exits with status 1, the needed and the
-available HBM and the overrides that would help.
+* the attention kernel in the optimized HLO (`attention_kernels`: splash's Mosaic calls on
+  TPU, cuDNN's fused attention on GPU, none for plain XLA), the `[..., T, T]` score matrices the
+  program materialises, and its largest arrays by shape.
+
+`--fit` weighs plans: for each remat policy (none, attention, dots, attention_offload, full) the
+largest micro-batch that fits, each with its HBM, collective bytes, recomputed FLOPs and a
+MODELLED step time (`modelled_time`: a roofline from the compiled program and the chip's
+peaks, `chips.CHIPS`; not a measurement), and picks the fastest. A config that does not fit
+exits with status 1, the needed and the available HBM and the overrides that would help.
 """
 
 from __future__ import annotations
@@ -39,14 +45,12 @@ import time
 
 from absl import flags
 
-from onona_jax import cli, paths
+from onona_jax import chips, cli, paths
 
 GiB = 1024**3
 
 # ----------------------------------------------------------------------------- the slices
 
-# HBM per chip (GiB), as Google Cloud's TPU pages give it.
-CHIP_HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
 
 # v4 and v5p slice names count TensorCores (2 per chip); their topologies are 3D tori of chips.
 _CORES_TO_3D = {
@@ -115,7 +119,7 @@ class Slice:
     def hbm_per_chip(self) -> int:
         if self.platform == "gpu":
             return GPU_SPECS[self.generation]["memory"]
-        return int(CHIP_HBM_GIB[self.generation] * GiB)
+        return int(chips.CHIPS[self.generation].hbm_gib * GiB)
 
     @property
     def devices_per_chip(self) -> int:
@@ -180,7 +184,22 @@ def compiler_missing(s: Slice) -> str | None:
         found = False
     if not found:
         return ("the PJRT CUDA plugin is not installed, and it compiles for GPUs; install it with "
-                "pip install -e '.[gpu-aot]' (or pip install 'jax-cuda12-plugin==0.10.2', no CUDA libraries needed)")
+                "pip install -e '.[gpu-aot]' (the plugin and cuDNN's wheel, for cuDNN attention; no GPU or driver needed)")
+    return None
+
+
+def cudnn_missing(cfg, s: Slice) -> str | None:
+    """On a GPU host, cuDNN's fused attention (what `auto` picks in bf16) is lowered with the
+    cuDNN library's version at hand: its wheel must be installed, though no GPU is."""
+    if s.platform != "gpu" or cfg.model.attention_impl not in ("auto", "cudnn") or cfg.model.dtype == "float32":
+        return None
+    try:
+        from jax_cuda12_plugin import _versions
+
+        _versions.cudnn_get_version()
+    except Exception:  # noqa: BLE001 - ImportError, or RuntimeError("cuDNN not found.")
+        return ("cuDNN attention (model.attention_impl=auto on a GPU, bf16) needs cuDNN's library to compile: "
+                "pip install -e '.[gpu-aot]' (nvidia-cudnn-cu12), or plan with --config.model.attention_impl=xla")
     return None
 
 
@@ -252,17 +271,10 @@ def _trip_count(while_line: str, condition: list[str]) -> int:
     return 1
 
 
-def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) -> dict[str, int]:
-    """Bytes per device per execution of the ENTRY computation, by collective kind, from
-    optimized HLO text.
-
-    An all-gather counts its gathered result, a reduce-scatter its full input (result × group
-    size), an all-reduce, all-to-all or collective-permute its buffer; each is multiplied by
-    the trip counts of the while loops around it (the layer scan, the micro-batch scan, the
-    fused loss's vocabulary chunks). XLA:TPU wraps asynchronous collectives in fusions that
-    repeat the op (start, continuations, done) and may carry one through a later loop (the
-    layer scan) to overlap it with compute: one channel id counts once, as often as the
-    least-repeated of its copies runs (where it is issued)."""
+def _executions(hlo: str):
+    """(bodies, times, order): each computation's lines, how many times it runs per execution
+    of ENTRY (the trip counts of the while loops around it multiplied in), and the order they
+    were reached from ENTRY."""
     bodies: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
@@ -294,6 +306,21 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
                         if callee not in times:
                             order.append(callee)
                         times[callee] = n
+    return bodies, times, order
+
+
+def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) -> dict[str, int]:
+    """Bytes per device per execution of the ENTRY computation, by collective kind, from
+    optimized HLO text.
+
+    An all-gather counts its gathered result, a reduce-scatter its full input (result × group
+    size), an all-reduce, all-to-all or collective-permute its buffer; each is multiplied by
+    the trip counts of the while loops around it (the layer scan, the micro-batch scan, the
+    fused loss's vocabulary chunks). XLA:TPU wraps asynchronous collectives in fusions that
+    repeat the op (start, continuations, done) and may carry one through a later loop (the
+    layer scan) to overlap it with compute: one channel id counts once, as often as the
+    least-repeated of its copies runs (where it is issued)."""
+    bodies, times, order = _executions(hlo)
     counted: dict[tuple, tuple[str, int, int]] = {}
     for name in order:
         for i, line in enumerate(bodies[name]):
@@ -324,6 +351,137 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
         for key, (kind, n, nbytes) in sorted(counted.items(), key=lambda kv: -kv[1][1] * kv[1][2]):
             details.append({"kind": kind, "id": key[1], "executions": n, "bytes": nbytes})
     return out
+
+
+# ----------------------------------------------------------------------------- arrays and kernels
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([\w\-]+)\(")
+_FUSION_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_INSTRUCTION_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+# Results that are not a new buffer: aliases, and control flow whose bodies are counted.
+_NO_BUFFER = {"bitcast", "get-tuple-element", "parameter", "tuple", "constant", "while", "conditional", "call",
+              "after-all", "partition-id", "replica-id", "opt-barrier"}
+
+
+def materialised_arrays(hlo: str) -> list[tuple[str, int]]:
+    """(shape, bytes) of every instruction result that is a buffer of its own in optimized HLO:
+    the instructions of the entry, loop bodies and branches, not those inside a fusion (which
+    live in registers or on-chip memory). Tuples count each element; bitcasts and
+    get-tuple-elements alias another buffer and are left out."""
+    bodies = _executions(hlo)[0]
+    fused = set()
+    for lines in bodies.values():
+        for line in lines:
+            if " fusion(" in line or "custom-call(" in line:
+                fused.update(_FUSION_CALLS.findall(line))
+    out = []
+    for name, lines in bodies.items():
+        if name in fused:
+            continue
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(2) in _NO_BUFFER:
+                continue
+            for dtype, dims in _SHAPE.findall(m.group(1)):
+                shape = f"{dtype}[{dims}]"
+                out.append((shape, _shape_bytes(shape)[0]))
+    return out
+
+
+def largest_arrays(hlo: str, n: int = 6) -> list[dict]:
+    """The `n` largest array shapes materialised in the program, with how many instructions
+    produce one (`materialised_arrays`): where the HBM goes, by shape."""
+    counts: dict[str, list[int]] = {}
+    for shape, nbytes in materialised_arrays(hlo):
+        counts.setdefault(shape, [nbytes, 0])[1] += 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"shape": shape, "bytes": nbytes, "count": count} for shape, (nbytes, count) in top]
+
+
+def score_matrix_arrays(hlo: str, seq_len: int) -> list[str]:
+    """Shapes of materialised arrays whose last two dimensions are both the sequence length
+    (padded or not): attention score or probability matrices [..., T, T], and XLA's causal
+    mask (pred). Ambiguous where d_model or d_ff equals T ([..., T, d] looks the same)."""
+    lo, hi = seq_len, -(-seq_len // 128) * 128
+    found = set()
+    for shape, _ in materialised_arrays(hlo):
+        dims = [int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d]
+        if len(dims) >= 2 and lo <= dims[-1] <= hi and lo <= dims[-2] <= hi:
+            found.add(shape)
+    return sorted(found)
+
+
+_OPERANDS = re.compile(r"\(([^)]*)\)")
+
+
+def _update_bytes(line: str, shapes: dict[str, str]) -> int:
+    """Bytes a dynamic-update-slice writes: its update operand (the second), not the buffer."""
+    m = _OPERANDS.search(line[line.index("dynamic-update-slice("):])
+    ops = [o.strip().split()[-1].lstrip("%") for o in m.group(1).split(",")] if m else []
+    return sum(_shape_bytes(shapes.get(ops[1], ""))) if len(ops) > 1 else 0
+
+
+def hbm_bytes(hlo: str) -> float:
+    """A MODEL of one step's HBM traffic per device from optimized HLO: every buffer the program
+    materialises (an instruction result outside fusions: fusion outputs, kernel outputs, copies)
+    is written once and read once, as often as its computation runs (the loops' trip counts). A
+    dynamic-update-slice, alone or at the heart of a fusion, writes only its update (a scan
+    stacking one layer's residual into the [layers, ...] buffer). Collectives are left to
+    `collective_bytes`. It leaves out re-reads (a weight read by several fusions counts once per
+    producer) and on-chip reuse."""
+    bodies, times, order = _executions(hlo)
+    shapes = {}
+    for lines in bodies.values():
+        for line in lines:
+            m, name = _INSTRUCTION.match(line), _INSTRUCTION_NAME.match(line)
+            if m and name:
+                shapes[name.group(1)] = m.group(1)
+    inner, collective, updates = set(), set(), {}
+    for name, lines in bodies.items():
+        for line in lines:
+            if " fusion(" in line or "custom-call(" in line:
+                inner.update(_FUSION_CALLS.findall(line))
+            if _OP.search(line):
+                collective.add(name)
+            if "dynamic-update-slice(" in line:
+                updates[name] = updates.get(name, 0) + _update_bytes(line, shapes)
+    total = 0
+    for name in order:
+        if name in inner:
+            continue
+        for line in bodies[name]:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(2) in _NO_BUFFER or _OP.search(line) or m.group(2).endswith(("-start", "-done")):
+                continue
+            callee = _FUSION_CALLS.search(line) if m.group(2) == "fusion" else None
+            if callee and callee.group(1) in collective:
+                continue
+            if m.group(2) == "dynamic-update-slice":
+                nbytes = _update_bytes(line, shapes)
+            elif callee and callee.group(1) in updates:
+                nbytes = updates[callee.group(1)]
+            else:
+                nbytes = sum(_shape_bytes(m.group(1)))
+            total += 2 * times[name] * nbytes
+    return float(total)
+
+
+def attention_kernels(hlo: str) -> list[str]:
+    """The fused attention kernels in optimized HLO: Mosaic (Pallas TPU) custom calls by kernel
+    name (splash's forward and backward), cuDNN's fused attention calls by target. Empty when
+    attention is plain XLA."""
+    found = set()
+    for line in hlo.splitlines():
+        target = _CUSTOM_TARGET.search(line)
+        if target and target.group(1) == "tpu_custom_call":  # named after the Pallas kernel
+            name = _INSTRUCTION_NAME.match(line)
+            found.add("mosaic:" + (re.sub(r"[.]\d+$", "", name.group(1)) if name else "unnamed"))
+        elif target and "fmha" in target.group(1).lower():
+            found.add(f"cudnn:{target.group(1)}")
+        elif "__cudnn$fmha" in line or ("kind=kCustom" in line and "cudnn" in line and "fmha" in line.lower()):
+            found.add("cudnn:fmha")
+    return sorted(found)
 
 
 # ----------------------------------------------------------------------------- one compile
@@ -371,7 +529,7 @@ def _compile(fn, *args):
     return compiled, time.perf_counter() - start
 
 
-def _analyse(compiled, seconds: float, hbm: int, n_devices: int) -> dict:
+def _analyse(compiled, seconds: float, hbm: int, n_devices: int, seq_len: int) -> dict:
     mem = compiled.memory_analysis()
     args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     alias, temps = mem.alias_size_in_bytes, mem.temp_size_in_bytes
@@ -388,8 +546,12 @@ def _analyse(compiled, seconds: float, hbm: int, n_devices: int) -> dict:
         # XLA's count visits each while-loop body once (one layer of the scan, one micro-batch,
         # one vocabulary chunk): a lower bound, kept for reference; model_flops is the step's.
         "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "hbm_bytes": hbm_bytes(hlo),
         "collective_bytes": collectives,
         "top_collectives": [_describe(d, hlo) for d in details[:8]],
+        "attention_kernels": attention_kernels(hlo),
+        "score_matrices": score_matrix_arrays(hlo, seq_len),
+        "largest_arrays": largest_arrays(hlo),
     }
 
 
@@ -444,7 +606,7 @@ def compile_train(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     state = trainer.abstract_train_state(run)
     batch = _abstract((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32, run.batch_sharding)
     compiled, seconds = _compile(trainer.make_train_step(run), state, batch)
-    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices))
+    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices), cfg.data.seq_len)
     tokens = cfg.train.global_batch * cfg.data.seq_len
     out["model_flops"] = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"] * tokens / len(devices)
     out.update(micro_batch=cfg.train.global_batch // (run.accum * run.dp), accum=run.accum,
@@ -470,7 +632,7 @@ def compile_eval(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     weights = _abstract((b,), np.float32, sharding.batch_sharding(run.mesh, 1))
     step = make_eval_step(run.graphdef, run.mesh, run.param_shardings)
     compiled, seconds = _compile(step, params, tokens, weights)
-    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices))
+    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices), cfg.data.seq_len)
     out["batch"] = b
     out["model_flops"] = summary.flops_per_token(cfg.model, cfg.data.seq_len)["forward"] * b * cfg.data.seq_len / len(devices)
     return out
@@ -504,16 +666,61 @@ def _dp(cfg, s: Slice) -> int:
     return sizes[0] * sizes[1]
 
 
+# The remat policies --fit weighs, cheapest recompute first (layers.REMAT_POLICIES).
+FIT_REMATS = ("none", "attention", "dots", "attention_offload", "full")
+
+
+def recomputed_flops_per_token(cfg) -> float:
+    """Forward FLOPs per token the backward pass recomputes under `model.remat` (a model from
+    `summary.flops_per_token`): `attention` and its offload keep q, k, v and the attention
+    output, so they recompute the projections and MLPs (and whole GDN layers) but not the
+    attention kernel; `dots` keeps every projection but not the batched attention dots (nor a
+    fused kernel, which is no dot); `full` recomputes the layer."""
+    f = _flops(cfg)
+    body, scores, other = f["body_matmul"], f["attention_scores"], f["gdn_recurrence"] + f["attnres"]
+    return {"none": 0.0, "dots": scores + other, "attention": body + other,
+            "attention_offload": body + other, "full": body + scores + other}[cfg.model.remat]
+
+
+def _flops(cfg) -> dict:
+    from onona_jax import summary
+
+    return summary.flops_per_token(cfg.model, cfg.data.seq_len)
+
+
+def modelled_time(report: dict, cfg, s: Slice) -> dict:
+    """A MODEL of one step's seconds from the compiled program, not a measurement: the larger
+    of compute (model FLOPs plus recomputed FLOPs at the chip's peak) and HBM traffic
+    (`hbm_bytes`: the buffers the optimized HLO materialises, written and read once each, at the
+    chip's HBM bandwidth), with the collectives' bytes at the chip-to-chip bandwidth either fully
+    overlapped with that (`overlapped`) or not at all (`serial`). It leaves out kernel
+    efficiency (MXU tiling, fusion boundaries, Mosaic kernels' internal traffic), latency of
+    small collectives, host-offload transfers, the input pipeline and the data-center network
+    between slices."""
+    chip = chips.CHIPS[s.generation]
+    per_device = s.devices_per_chip
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    recompute = recomputed_flops_per_token(cfg) * tokens / s.devices
+    compute_s = (report["model_flops"] + recompute) / (chip.peak_tflops * 1e12 / per_device)
+    memory_s = report.get("hbm_bytes", 0.0) / (chip.hbm_gbps * 1e9 / per_device)
+    comm_s = sum(report["collective_bytes"].values()) / (chip.link_gbps * 1e9)
+    bound = max(compute_s, memory_s)
+    return {"recomputed_flops": recompute, "compute_s": compute_s, "memory_s": memory_s, "comm_s": comm_s,
+            "overlapped_s": max(bound, comm_s), "serial_s": bound + comm_s}
+
+
 def fit(cfg, s: Slice, devices=None, hbm: int | None = None, log=None) -> dict:
-    """The largest micro-batch that fits, trying remat none, dots, full in turn (from the
-    config's own remat on): a binary search over the divisors of the per-replica batch (HBM
-    grows with the micro-batch). Returns {"overrides", "train" (its report), "tried"}; the
-    overrides are empty and "train" None when nothing fits."""
+    """For each remat policy (`FIT_REMATS`), the largest micro-batch that fits — a binary search
+    over the divisors of the per-replica batch, as HBM grows with the micro-batch — then the
+    plan with the lowest modelled step time
+    (`modelled_time`, serial bound; overlapped breaks ties). Returns {"overrides", "train" (the
+    chosen plan's report), "plans" (every fitting plan, modelled), "tried"}; the overrides are
+    empty and "train" None when nothing fits. Once a plan fits without accumulation, policies
+    that recompute more are not tried: the same micro-batch with more work cannot model faster."""
     devices = devices or topology_devices(s)
     per_replica = cfg.train.global_batch // _dp(cfg, s)
     sizes = _divisors_desc(per_replica)
-    remats = ("none", "dots", "full")
-    tried = []
+    tried, plans = [], []
 
     def probe(remat, micro):
         if log:
@@ -530,7 +737,9 @@ def fit(cfg, s: Slice, devices=None, hbm: int | None = None, log=None) -> dict:
             log(f"  remat={remat} micro_batch={micro}: {'fits' if r['fits'] else 'does not fit'} ({total})")
         return r
 
-    for remat in remats[remats.index(cfg.model.remat):]:
+    for remat in FIT_REMATS:
+        if any(p["micro_batch"] == sizes[0] for p in plans):
+            break
         lo, hi, best = 0, len(sizes) - 1, None  # sizes[lo] largest; find the first that fits
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -540,9 +749,22 @@ def fit(cfg, s: Slice, devices=None, hbm: int | None = None, log=None) -> dict:
             else:
                 lo = mid + 1
         if best is not None:
-            overrides = {"train.micro_batch": best["micro_batch"], "model.remat": remat}
-            return {"overrides": overrides, "train": best, "tried": tried}
-    return {"overrides": {}, "train": None, "tried": tried}
+            best["model"] = modelled_time(best, _with(cfg, **{"model.remat": remat}), s)
+            plans.append(best)
+            if log:
+                m = best["model"]
+                log(f"  plan remat={remat} micro_batch={best['micro_batch']}: modelled {m['overlapped_s']:.3f}-"
+                    f"{m['serial_s']:.3f} s/step")
+    if not plans:
+        return {"overrides": {}, "train": None, "plans": [], "tried": tried}
+    best = min(plans, key=lambda r: (r["model"]["serial_s"], r["model"]["overlapped_s"]))
+    overrides = {"train.micro_batch": best["micro_batch"], "model.remat": best["remat"]}
+    return {"overrides": overrides, "train": best, "plans": plans, "tried": tried}
+
+
+def _plan_row(r: dict) -> dict:
+    keys = ("remat", "micro_batch", "accum", "total", "compile_s")
+    return {**{k: r[k] for k in keys}, "collective_bytes": sum(r["collective_bytes"].values()), **r["model"]}
 
 
 def suggestions(cfg, s: Slice, report: dict, fit_ran: bool = False) -> list[str]:
@@ -598,6 +820,10 @@ def format_table(result: dict) -> str:
         if t:
             lines.append(f"{'':<10} train: mesh {t['mesh']}, micro_batch {t['micro_batch']} × "
                          f"{t['accum']} accumulation steps, remat {t['remat']}")
+            lines.append(f"{'':<10} attention kernel: {', '.join(t['attention_kernels']) or 'none (plain XLA)'}; "
+                         f"[..., T, T] arrays: {', '.join(t['score_matrices']) or 'none'}")
+            lines.append(f"{'':<10} largest arrays: " + ", ".join(
+                f"{a['shape']} {a['bytes'] / 2**20:.0f} MiB ×{a['count']}" for a in t["largest_arrays"][:4]))
     if result.get("ratio"):
         ratio = result["ratio"]
         lines.append("ratio " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()))
@@ -605,6 +831,11 @@ def format_table(result: dict) -> str:
         f = result["fit"]
         tried = "; ".join(f"{t['remat']}/{t['micro_batch']}: {'fits' if t['fits'] else 'no'}" for t in f["tried"])
         lines.append(f"--fit tried {tried}")
+        for p in f.get("plans", ()):
+            lines.append(f"  plan remat={p['remat']} micro_batch={p['micro_batch']}×{p['accum']}: {_gib(p['total'])} GiB, "
+                         f"collectives {p['collective_bytes'] / 1e9:.2f} GB, recomputed {p['recomputed_flops'] / 1e12:.2f} "
+                         f"TFLOP/dev, modelled {p['overlapped_s']:.3f}-{p['serial_s']:.3f} s/step (a model: compute "
+                         f"{p['compute_s']:.3f}, HBM {p['memory_s']:.3f}, collectives {p['comm_s']:.3f})")
         if f["overrides"]:
             lines.append("use: " + " ".join(f"--config.{k}={v}" for k, v in f["overrides"].items()))
     return "\n".join(lines)
@@ -635,7 +866,8 @@ def analyse(cfg, s: Slice, compare_head: str | None = None, do_fit: bool = False
                                              "hbm_per_device": hbm}, "heads": {}}
     if do_fit:
         found = fit(cfg, s, devices, hbm, log)
-        result["fit"] = {"overrides": found["overrides"], "tried": found["tried"]}
+        result["fit"] = {"overrides": found["overrides"], "tried": found["tried"],
+                         "plans": [_plan_row(p) for p in found["plans"]]}
         if not found["overrides"]:
             err = DoesNotFit("no micro-batch fits even with remat=full", None, hbm)
             err.result, err.report = result, {}
@@ -674,7 +906,8 @@ def define(fv, argv):
     flags.DEFINE_string("topology", "v5e-16", "TPU slice or GPU host: " + ", ".join(SLICES), flag_values=fv)
     flags.DEFINE_string("compare_head", "", "also compile with this head and report ratios (e.g. standard)",
                         flag_values=fv)
-    flags.DEFINE_bool("fit", False, "search the largest micro-batch (then remat dots, full) that fits", flag_values=fv)
+    flags.DEFINE_bool("fit", False, "search remat policy × micro-batch and pick the plan that fits with the "
+                      "lowest modelled step time", flag_values=fv)
     flags.DEFINE_bool("json", False, "print the report as JSON", flag_values=fv)
     flags.DEFINE_string("json_out", "", "also write the JSON report to this file", flag_values=fv)
     flags.DEFINE_bool("eval_step", True, "also compile the eval step", flag_values=fv)
@@ -696,7 +929,7 @@ def _main(FLAGS, rest):
     config_lib.validate(cfg)
     if FLAGS.compare_head:
         config_lib.validate(_with(cfg, **{"model.head": FLAGS.compare_head}))
-    missing = compiler_missing(s)
+    missing = compiler_missing(s) or cudnn_missing(cfg, s)
     if missing:
         raise cli.UsageError(missing)
     log = (lambda m: print(m, file=sys.stderr, flush=True))  # noqa: E731

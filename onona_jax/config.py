@@ -13,7 +13,9 @@ import os
 
 import ml_collections
 
+from onona_jax import attention
 from onona_jax import heads as heads_lib
+from onona_jax import layers
 from onona_jax import loss as loss_lib
 from onona_jax import models
 from onona_jax.models import gdn
@@ -21,7 +23,6 @@ from onona_jax.models import gdn
 # The choices of model.arch and model.head come from the registries (one place each).
 ARCHS = tuple(models.FAMILIES)
 HEADS = tuple(heads_lib.HEADS)
-ATTENTION_IMPLS = (None, "xla", "cudnn", "blocked")
 
 
 def ffn_width(d: int) -> int:
@@ -49,8 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
     m.norm_eps = 1e-6
     m.dtype = "bfloat16"  # compute dtype; parameters and optimizer state stay fp32
     m.scan_layers = True
-    m.remat = "none"  # none | dots | full
-    m.attention_impl = ml_collections.config_dict.placeholder(str)  # None (XLA) | cudnn | blocked (causal blocks; layers.py)
+    m.remat = "none"  # none | dots | attention | attention_offload | full (layers.REMAT_POLICIES)
+    m.attention_impl = "auto"  # auto: splash on TPU, cuDNN on GPU (bf16), XLA on CPU | xla | splash | cudnn (attention.py)
     m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
     m.loss_token_tile = loss_lib.DEFAULT_TOKEN_TILE  # tokens per tile (per device) of the fused loss (loss.py says why 256)
     m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
@@ -155,9 +156,14 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive (RoPE's base, e.g. 10000.0)")
     need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive (RMSNorm divides by sqrt(mean + eps))")
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
-    need(m.remat in ("none", "dots", "full"), f"model.remat {m.remat!r}: none, dots or full")
-    need(m.attention_impl in ATTENTION_IMPLS,
-         f"model.attention_impl {m.attention_impl!r}: one of {ATTENTION_IMPLS} (None: XLA's attention)")
+    need(m.remat in layers.REMAT_POLICIES, f"model.remat {m.remat!r}: one of {', '.join(layers.REMAT_POLICIES)}")
+    need(m.attention_impl != "blocked",
+         "model.attention_impl 'blocked' was retired (no faster than XLA on CPU, docs/PERFORMANCE.md; splash and "
+         "cuDNN on accelerators): use auto")
+    need(m.attention_impl in attention.IMPLS + (None,),
+         f"model.attention_impl {m.attention_impl!r}: one of {', '.join(attention.IMPLS)}")
+    for problem in attention.check_shape(m.attention_impl, m.head_dim):
+        need(False, problem)
     need(m.loss in ("fused", "fused_vocab", "plain"), f"model.loss {m.loss!r}: fused, fused_vocab or plain")
     need(m.loss_token_tile > 0, f"model.loss_token_tile={m.loss_token_tile} must be positive")
     need(m.loss_chunk > 0, f"model.loss_chunk={m.loss_chunk} must be positive")
@@ -283,6 +289,10 @@ def from_saved(saved: dict, where: str = "") -> ml_collections.ConfigDict:
     if missing:
         print(f"notice: the config saved in {where} predates keys {', '.join(missing)}; "
               "using their defaults", file=sys.stderr)
+    if have.get("model.attention_impl") == "blocked":  # retired: the same attention, computed whole
+        print(f"notice: the config saved in {where} asks for model.attention_impl 'blocked', which was retired; "
+              "using 'xla' (the same values to fp32 rounding)", file=sys.stderr)
+        have["model.attention_impl"] = "xla"
     for key, value in have.items():
         *path, leaf = key.split(".")
         node = base

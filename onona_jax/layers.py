@@ -12,18 +12,26 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from onona_jax.attention import OUTPUT as ATTENTION_OUT, QKV, causal_attention
 from onona_jax.params import param
 from onona_jax.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Query block of model.attention_impl="blocked" (not tuned; docs/PERFORMANCE.md).
-ATTENTION_BLOCK = 64
 
+# model.remat: what the backward pass keeps of each layer's forward (the rest is recomputed).
 REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,  # everything: no recompute
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the layer's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # every projection's output
+    # q, k, v and the attention output: the attention kernel is never rerun, the MLP and the
+    # norms are (MaxText's "qkv_proj" + "context" choice)
+    "attention": jax.checkpoint_policies.save_only_these_names(QKV, ATTENTION_OUT),
+    # the same arrays, moved to pinned host memory between the passes (on a CPU it runs, saving nothing)
+    "attention_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[QKV, ATTENTION_OUT],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -53,44 +61,6 @@ def rope(x, positions, theta):
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def causal_attention(q, k, v, impl=None):
-    """Causal grouped-query attention: q [B, T, N, hd], k and v [B, T, n_kv, hd] → [B, T, N, hd].
-
-    impl None or "xla"/"cudnn": `jax.nn.dot_product_attention`. "blocked": queries in blocks of
-    `ATTENTION_BLOCK`, each against only the keys it can see (`blocked_causal_attention`)."""
-    if impl == "blocked":
-        return blocked_causal_attention(q, k, v, ATTENTION_BLOCK)
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl
-    )
-
-
-def blocked_causal_attention(q, k, v, block):
-    """Causal attention computed block by block: the queries of block i (positions
-    [i·block, (i+1)·block)) attend over keys [0, (i+1)·block) only, so the causally masked
-    upper blocks of the T × T square are never computed — (n+1)/2n of its FLOPs for n blocks,
-    in the forward and the backward pass. XLA:CPU's `dot_product_attention` computes the whole
-    square (docs/PERFORMANCE.md measures both).
-    Only the diagonal block needs a mask. Same numerics as the XLA path: logits and softmax in
-    fp32, probabilities cast to v's dtype, scale head_dim^-½; the only difference is the
-    summation order of the key axis, and keys it drops carry exactly zero weight."""
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)
-    scale = jnp.float32(1.0 / math.sqrt(H))
-    outs = []
-    for s in range(0, T, block):
-        e = min(s + block, T)
-        logits = jnp.einsum(
-            "btkgh,bskh->bkgts", qg[:, s:e], k[:, :e], preferred_element_type=jnp.float32
-        ) * scale
-        diag = jnp.arange(s, e)[:, None] >= jnp.arange(e)[None, :]  # [e−s, e]; True off the diagonal block
-        logits = jnp.where(diag, logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkgts,bskh->btkgh", probs, v[:, :e]))
-    return jnp.concatenate(outs, axis=1).reshape(B, T, N, H)
 
 
 @jax.custom_vjp
@@ -196,7 +166,8 @@ class Attention(nnx.Module):
         dt = x.dtype
         q, k, v = self._qkv(x, positions)
         q = constrain(q, ("batch", "seq", "act_heads", None))
-        o = causal_attention(q, k, v, self.impl)
+        q, k, v = (checkpoint_name(a, QKV) for a in (q, k, v))
+        o = checkpoint_name(causal_attention(q, k, v, self.impl), ATTENTION_OUT)
         return jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(dt))
 
     # -- incremental decoding (see Model.extend)

@@ -184,6 +184,17 @@ def under_rules(fn, mesh: Mesh, rules=RULES):
     return wrapped
 
 
+def active() -> tuple[Mesh, tuple] | None:
+    """(mesh, rules) of the enclosing `activation_rules`, or None outside one."""
+    return _ACTIVE.get()
+
+
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing `activation_rules`, or None outside one."""
+    found = _ACTIVE.get()
+    return None if found is None else found[0]
+
+
 def constrain(x, logical: Iterable[str | None]):
     active = _ACTIVE.get()
     if active is None:

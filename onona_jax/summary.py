@@ -105,10 +105,13 @@ def _pattern_counts(cfg_model) -> dict[str, int]:
     return {kind: repeats * pattern.count(kind) for kind in ("attention", "gdn")}
 
 
-def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
+def flops_per_token(cfg_model, seq_len: int, causal: bool = True) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3 × forward), counting matmuls (and
     dot products) only; `forward` and `train` are the totals, the other keys split the
-    forward count:
+    forward count. Causal attention counts half the T × T square (`causal`, MaxText's
+    convention and what a flash kernel computes); `causal=False` counts the whole square, as
+    PaLM's MFU does and XLA's `dot_product_attention` computes. `train_full_square` is the
+    training total counted the PaLM way, for comparison with papers that use it:
 
     * `body_matmul`: 2 FLOPs per weight of `matmul_weights` (attention and GDN projections,
       SwiGLU, the MoE router and the ACTIVE experts — top_k/E of them: the model's work, not
@@ -117,8 +120,8 @@ def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
       channel, the mos/moss context projections K·d² and prior d·K).
     * `head`: 2·V·d per output projection — 2 for twin / twin_output_only, K for mos / moss
       (each component through the tied table), 1 otherwise — plus 2·d for a gate's dot.
-    * `attention_scores`: 4·T·n_heads·head_dim per ATTENTION layer (QKᵀ and PV over the full
-      T×T square, as PaLM counts it); GDN layers have none.
+    * `attention_scores`: 4·T·n_heads·head_dim per ATTENTION layer for QKᵀ and PV over the
+      full T×T square, half that when `causal`; GDN layers have none.
     * `gdn_recurrence`: per GDN layer, `models.gdn.recurrence_flops` (intra-chunk, the blocked
       triangular inverse and its product, the state terms ≈ 6·H·dk·dv per token).
     * `attnres`: 2·d per source per AttnRes mixing (the pseudo-query dot with each normed
@@ -131,7 +134,8 @@ def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
     projections = output_projections(m)
     head = 2 * (projections * m.vocab_size * m.d_model + weights["head"] + counts["gate"])
     layers = _pattern_counts(m)
-    scores = 4 * seq_len * m.n_heads * m.head_dim * layers["attention"]
+    full_scores = 4 * seq_len * m.n_heads * m.head_dim * layers["attention"]
+    scores = full_scores / 2 if causal else full_scores
     gdn_cost = 0.0
     if layers["gdn"]:
         gdn_parts = gdn.recurrence_flops(m, seq_len)
@@ -141,6 +145,7 @@ def flops_per_token(cfg_model, seq_len: int) -> dict[str, float]:
     out = {
         "forward": float(forward),
         "train": float(3 * forward),
+        "train_full_square": float(3 * (forward - scores + full_scores)),
         "body_matmul": float(body),
         "head": float(head),
         "attention_scores": float(scores),

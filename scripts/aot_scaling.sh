@@ -35,7 +35,9 @@ for row in $rows; do
     dense-1b) aot dense-1b-v5p-256 --config=configs/paper.py:dense-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     moe-1b) aot moe-1b-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     # one 8-GPU H100 host, the README's recipe (pure data parallel, micro-batch 16 × 2); needs the gpu-aot extra
-    dense-142m-h100) aot dense-142m-h100-8 --config=configs/paper.py:dense-142m-twin --topology=h100-8 --config.mesh.data=8 --compare_head=standard --noeval_step ;;
+    # (gpu-aot extra with the cuDNN wheel: auto = cuDNN's fused attention; -xla: XLA's, for comparison)
+    dense-142m-h100) aot dense-142m-h100-8 --config=configs/paper.py:dense-142m-twin --topology=h100-8 --config.mesh.data=8 --config.train.micro_batch=16 --compare_head=standard --noeval_step ;;
+    dense-142m-h100-xla) aot dense-142m-h100-8-xla --config=configs/paper.py:dense-142m-twin --topology=h100-8 --config.mesh.data=8 --config.train.micro_batch=16 --config.model.attention_impl=xla --compare_head=standard --noeval_step ;;
     *) echo "unknown row $row" >&2 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """Markdown rows for docs/SCALING.md from `python -m onona_jax.aot --json_out` reports.
 
-    python scripts/aot_table.py docs/aot/*.json
+    python scripts/aot_table.py docs/aot/*.json           # one row per head and report
+    python scripts/aot_table.py --plans docs/aot/*.json   # --fit's plans, with modelled step times
 """
 
 import json
@@ -10,28 +11,53 @@ GiB = 1024**3
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
+def _kernel(t):
+    names = t.get("attention_kernels", [])
+    kind = "splash" if any(n.startswith("mosaic:splash") for n in names) else \
+        "cuDNN" if any(n.startswith("cudnn:") for n in names) else "XLA"
+    return f"{kind}, {'no' if not t.get('score_matrices') else ''} [T,T]".replace(",  [", ", [")
+
+
 def rows(path):
     r = json.load(open(path))
     s = r["slice"]
     fit = r.get("fit", {}).get("overrides")
-    for head, x in r["heads"].items():
+    ratio = r.get("ratio", {})
+    for i, (head, x) in enumerate(r["heads"].items()):
         t = x["train"]
         name = r["config"].replace(r["config"].split("-")[-1], head) if head not in r["config"] else r["config"]
         coll = sum(t["collective_bytes"].values()) / 1e9
         big = max(KINDS, key=lambda k: t["collective_bytes"][k])
-        chosen = f"{t['micro_batch']} × {t['accum']}, remat {t['remat']}" + (" (--fit)" if fit and head in r["config"] else "")
+        chosen = f"{t['micro_batch']} × {t['accum']}, {t['remat']}" + (" (--fit)" if fit and i == 0 else "")
+        hbm_ratio = f"**{ratio['hbm_total']:.3f}**" if ratio and i == 0 else ""
         yield (f"| {name} | {s['name']} | {'yes' if t['fits'] else 'NO'} | {chosen} | {t['arguments'] / GiB:.2f} | "
-               f"{t['temporaries'] / GiB:.2f} | {t['total'] / GiB:.2f} / {t['hbm'] / GiB:.2f} | {coll:.1f} ({big} {t['collective_bytes'][big] / 1e9:.1f}) | "
-               f"{t['compile_s']:.0f} s |")
-    if r.get("ratio"):
-        q = r["ratio"]
-        yield (f"| twin / standard | | | | {q.get('hbm_arguments', 0):.3f} | {q.get('hbm_temporaries', 0):.3f} | "
-               f"{q.get('hbm_total', 0):.3f} | {q.get('collective_bytes', 0):.2f} | |")
+               f"{t['temporaries'] / GiB:.2f} | {t['total'] / GiB:.2f} / {t['hbm'] / GiB:.2f} | {hbm_ratio} | "
+               f"{coll:.2f} ({big} {t['collective_bytes'][big] / 1e9:.2f}) | {_kernel(t)} | "
+               f"{t['model_flops'] / 1e12:.1f} | {t['compile_s']:.0f} s |")
+
+
+def plans(path):
+    r = json.load(open(path))
+    for p in r.get("fit", {}).get("plans", []):
+        yield (f"| {r['config']} | {r['slice']['name']} | {p['remat']} | {p['micro_batch']} × {p['accum']} | "
+               f"{p['total'] / GiB:.2f} | {p['collective_bytes'] / 1e9:.2f} | {p['recomputed_flops'] / 1e12:.2f} | "
+               f"{p['compute_s']:.3f} | {p['memory_s']:.3f} | {p['comm_s']:.3f} | "
+               f"{p['overlapped_s']:.3f}–{p['serial_s']:.3f} |")
 
 
 if __name__ == "__main__":
-    print("| config | slice | fits | micro-batch × accumulation | args GiB | temps GiB | total / HBM GiB | collectives GB/step (largest) | compile |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
-    for p in sys.argv[1:]:
-        for row in rows(p):
-            print(row)
+    args = sys.argv[1:]
+    if args and args[0] == "--plans":
+        print("| config | slice | remat | micro-batch × accum | total GiB | collectives GB | recomputed TFLOP/chip | "
+              "compute s | HBM s | collectives s | modelled s/step (overlapped–serial) |")
+        print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for p in args[1:]:
+            for row in plans(p):
+                print(row)
+    else:
+        print("| config | slice | fits | micro-batch × accum, remat | args GiB | temps GiB | total / HBM GiB | "
+              "twin/std HBM | collectives GB/step (largest) | attention | model TFLOP/chip | compile |")
+        print("|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
+        for p in args:
+            for row in rows(p):
+                print(row)

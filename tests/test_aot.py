@@ -72,6 +72,118 @@ def test_tiny_compile_on_v5e_4_argument_bytes_match_the_shardings():
     assert report["collective_bytes"]["all-gather"] >= 2 * 2 * 50304 * 128 * 4 * 3 // 4
 
 
+def _tiny_kernel_config(**model):
+    """Widths distinct from T = 384 (3 splash blocks of 128), so that only attention's arrays
+    end in [T, T]."""
+    from onona_jax import config
+
+    cfg = config.load(os.path.join(REPO, "configs/paper.py:dense-tiny-twin"))
+    cfg.model.update(d_model=128, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=256, **model)
+    cfg.data.seq_len = 384
+    return cfg
+
+
+@needs_libtpu
+def test_v5e_compile_runs_splash_and_keeps_no_score_matrix():
+    """`auto` on a TPU slice is splash: its forward and both backward kernels appear in the
+    optimized HLO as Mosaic calls, and no [..., T, T] array is materialised; `xla` keeps the
+    score and probability matrices for the backward pass and calls no kernel."""
+    cfg = _tiny_kernel_config()
+    cfg.mesh.update(data=1, fsdp=4, tensor=1)
+    s = aot.get_slice("v5e-4")
+    devices = aot.topology_devices(s)
+    splash = aot.compile_train(cfg, s, devices)
+    assert splash["attention_kernels"] == ["mosaic:splash_mha_dkv_no_residuals", "mosaic:splash_mha_dq_no_residuals",
+                                           "mosaic:splash_mha_fwd_residuals"]
+    assert splash["score_matrices"] == []
+    cfg.model.attention_impl = "xla"
+    xla = aot.compile_train(cfg, s, devices)
+    assert xla["attention_kernels"] == [] and any(m.startswith("f32[") and m.endswith(",384,384]")
+                                                  for m in xla["score_matrices"])
+    assert splash["temporaries"] < xla["temporaries"]
+
+
+def _gpu_aot_missing():
+    h100 = aot.get_slice("h100-8")
+    return aot.compiler_missing(h100) or aot.cudnn_missing(_tiny_kernel_config(dtype="bfloat16"), h100)
+
+
+@pytest.mark.skipif(_gpu_aot_missing() is not None, reason=str(_gpu_aot_missing()))
+def test_h100_compile_runs_cudnn_flash_attention():
+    """`auto` on a GPU host in bf16 is cuDNN's fused attention, compiled without a GPU by the
+    PJRT CUDA plugin (with the cuDNN wheel): its forward and backward calls are in the HLO."""
+    cfg = _tiny_kernel_config(dtype="bfloat16")
+    cfg.mesh.update(data=-1, fsdp=1, tensor=1)
+    report = aot.compile_train(cfg, aot.get_slice("h100-8"))
+    assert report["attention_kernels"] == ["cudnn:__cudnn$fmhaSoftmax", "cudnn:__cudnn$fmhaSoftmaxBackward"]
+
+
+def test_modelled_step_time_and_recompute_by_policy():
+    """`modelled_time` is arithmetic on the report and the chip's row: compute = FLOPs (model +
+    recomputed) / peak, HBM = the materialised buffers' bytes / bandwidth, collectives = bytes /
+    link bandwidth; overlapped = the largest, serial = compute-or-HBM + collectives. Recompute
+    grows from none to full."""
+    from onona_jax import chips, config
+
+    cfg = config.load(os.path.join(REPO, "configs/paper.py:dense-142m-twin"))
+    s = aot.get_slice("v5e-16")
+    report = {"model_flops": 19.7e12, "hbm_bytes": 60e9,
+              "collective_bytes": {"all-gather": 1.5e9, "reduce-scatter": 0.5e9}}
+    chip = chips.CHIPS["v5e"]
+    m = aot.modelled_time(report, cfg, s)  # remat none: nothing recomputed
+    assert m["recomputed_flops"] == 0
+    assert m["compute_s"] == pytest.approx(19.7e12 / (chip.peak_tflops * 1e12))
+    assert m["memory_s"] == pytest.approx(60e9 / (chip.hbm_gbps * 1e9))
+    assert m["comm_s"] == pytest.approx(2e9 / (chip.link_gbps * 1e9))
+    assert m["overlapped_s"] == max(m["compute_s"], m["memory_s"], m["comm_s"])
+    assert m["serial_s"] == pytest.approx(max(m["compute_s"], m["memory_s"]) + m["comm_s"])
+    recompute = []
+    for remat in ("none", "dots", "attention", "full"):
+        cfg.model.remat = remat
+        recompute.append(aot.recomputed_flops_per_token(cfg))
+    assert recompute == sorted(recompute) and recompute[0] == 0 < recompute[1]
+
+
+def test_hbm_bytes_counts_materialised_buffers_by_loop_trips():
+    """Synthetic HLO: a fusion's [8,128] f32 output in a 16-trip loop body is written and read
+    16 times (2 × 16 × 4 KiB); a dynamic-update-slice writes its [1,128] update, not the
+    [16,128] buffer; instructions inside fusions, bitcasts and the loop's tuples are no buffers."""
+    hlo = """HloModule m
+
+%fused (x: f32[8,128]) -> f32[8,128] {
+  %x = f32[8,128] parameter(0)
+  %big = f32[64,128] broadcast(%x), dimensions={}
+  ROOT %y = f32[8,128] exponential(%x)
+}
+
+%cond (p: (s32[], f32[8,128], f32[16,128])) -> pred[] {
+  %p = (s32[], f32[8,128], f32[16,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(16)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[8,128], f32[16,128])) -> (s32[], f32[8,128], f32[16,128]) {
+  %p = (s32[], f32[8,128], f32[16,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,128] get-tuple-element(%p), index=1
+  %acc = f32[16,128] get-tuple-element(%p), index=2
+  %f = f32[8,128] fusion(%x), kind=kLoop, calls=%fused
+  %row = f32[1,128] bitcast(%x)
+  %upd = f32[16,128] dynamic-update-slice(%acc, %row, %i, %i)
+  ROOT %t = (s32[], f32[8,128], f32[16,128]) tuple(%i, %f, %upd)
+}
+
+ENTRY %main (a: f32[8,128]) -> f32[8,128] {
+  %a = f32[8,128] parameter(0)
+  %w = (s32[], f32[8,128], f32[16,128]) while(%t0), condition=%cond, body=%body
+  ROOT %r = f32[8,128] get-tuple-element(%w), index=1
+}
+"""
+    loop_condition = 2 * 1  # its pred[] result (the model counts a condition once)
+    assert aot.hbm_bytes(hlo) == 2 * 16 * (8 * 128 * 4 + 1 * 128 * 4) + loop_condition
+
+
 SYNTHETIC_HLO = """HloModule m
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -190,7 +302,11 @@ def test_without_libtpu_the_message_says_how_to_get_it(monkeypatch):
 def test_unknown_slice_is_one_error_line_before_any_compile():
     r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=v5e-17")
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == _errors(r.stderr)  # nothing else: no libtpu load, no compile
+    # nothing else: no libtpu load, no compile. (With the gpu-aot extra installed, `import jax`
+    # itself logs the CUDA plugin's "Could not find cuda drivers" on a machine without a GPU.)
+    lines = [ln for ln in r.stderr.strip().splitlines()
+             if "cudart_stub.cc" not in ln and not ln.startswith("WARNING: All log messages before absl")]
+    assert lines == _errors(r.stderr)
     assert "unknown --topology='v5e-17'; choose a slice name: v4-8" in r.stderr
 
 
@@ -199,11 +315,18 @@ def test_unknown_slice_is_one_error_line_before_any_compile():
 def test_paper_142m_twin_fits_v5e_16_with_micro_batch_4():
     """The issue's target: dense-142m-twin at global batch 256 × 1,024 on v5e-16 with fsdp=16
     fits at micro-batch 4 (about 2 minutes of CPU per compile)."""
+    import jax
+
     from onona_jax import config
 
     cfg = config.load("configs/paper.py:dense-142m-twin")
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.train.micro_batch = 4
-    report = aot.compile_train(cfg, aot.get_slice("v5e-16"))
+    s = aot.get_slice("v5e-16")
+    with pytest.raises(ValueError, match="splash attention on TPU with model.dtype=bfloat16 cannot run under "
+                                         "jax_default_matmul_precision='highest'"):
+        aot.compile_train(cfg, s)  # the suite's conftest asks for "highest"
+    with jax.default_matmul_precision("default"):
+        report = aot.compile_train(cfg, s)
     assert report["fits"] and report["accum"] == 4
     assert report["total"] < 15.75 * aot.GiB

@@ -24,11 +24,11 @@ def test_device_check_dry_run(tmp_path):
     p = _run(tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "device_check.json").read_text())
-    names = ["fused", "fused+cudnn", "fused_vocab@2048", "fused_vocab@8192", "plain"]
+    names = ["fused+xla", "fused+cudnn", "fused_vocab@2048", "fused_vocab@8192", "plain"]
     assert list(res["train"]) == [f"{h}/{n}" for h in ("standard", "twin") for n in names]
     stepped = {k: r for k, r in res["train"].items() if r["status"] == "measured"}
-    assert sorted(stepped) == ["twin/fused"]
-    r = stepped["twin/fused"]
+    assert sorted(stepped) == ["twin/fused+xla"]
+    r = stepped["twin/fused+xla"]
     assert r["tokens_per_s"] > 0 and r["xla_peak_gib"] > 0 and 0 < r["loss"] < 11.5  # ln(50304) = 10.8 at init
     assert res["train"]["twin/fused+cudnn"]["status"].startswith("skipped (cuDNN attention needs a GPU")
     assert res["decode"]["status"] == "measured" and res["decode"]["one/two_projection"] > 0

@@ -65,7 +65,7 @@ def test_flops_formula_matches_xla_cost_analysis():
     tokens = jnp.zeros((B, T), jnp.int32)
     fwd = jax.jit(lambda p, t: model.bind(graphdef, p).target_log_probs(t, t))
     xla = fwd.lower(params, tokens).compile().cost_analysis()["flops"]
-    ours = summary.flops_per_token(cfg.model, T)["forward"] * B * T
+    ours = summary.flops_per_token(cfg.model, T, causal=False)["forward"] * B * T  # XLA computes the square
     assert ours <= xla <= 1.05 * ours
 
 
@@ -105,29 +105,6 @@ def test_init_is_keyed_by_path():
     assert float(jnp.std(twin["head"]["B"])) == pytest.approx(0.02, rel=0.01)
     _, other_seed = model.init(cfg.model, 8)
     assert not np.array_equal(other_seed["head"]["embedding"], std["head"]["embedding"])
-
-
-@pytest.mark.slow  # 25 s; model.attention_impl=blocked is opt-in
-def test_blocked_attention_matches_xla_values_and_gradients():
-    """`blocked_causal_attention` is the causal square without its masked blocks: the same
-    values and gradients as `jax.nn.dot_product_attention` to fp32 rounding (1e-6: the key
-    axis is summed in another order; dropped keys weigh exactly zero). T = 45 with blocks of 8
-    covers a partial last block; 6 query heads over 2 KV heads covers the grouping."""
-    from onona_jax.layers import blocked_causal_attention, causal_attention
-
-    r = np.random.default_rng(0)
-    q, k, v, w = (r.standard_normal(s, np.float32) for s in
-                  [(2, 45, 6, 16), (2, 45, 2, 16), (2, 45, 2, 16), (2, 45, 6, 16)])
-
-    def loss(fn):
-        return lambda q, k, v: (fn(q, k, v) * w).sum()
-
-    xla = loss(lambda q, k, v: causal_attention(q, k, v, None))
-    blocked = loss(lambda q, k, v: blocked_causal_attention(q, k, v, 8))
-    np.testing.assert_allclose(blocked_causal_attention(q, k, v, 8), causal_attention(q, k, v),
-                               rtol=0, atol=1e-6)
-    for g_b, g_x in zip(jax.grad(blocked, (0, 1, 2))(q, k, v), jax.grad(xla, (0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(g_b, g_x, rtol=0, atol=1e-5)
 
 
 def test_swiglu_backward_matches_autodiff():

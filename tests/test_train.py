@@ -96,3 +96,25 @@ def test_checkpoint_restores_on_another_mesh(tiny_data, tmp_path):
         assert ev["step"] == 4
         for key in ("val_loss", "val_loss_a_only", "val_loss_b_only"):
             assert ev[key] == pytest.approx(result[key], rel=1e-5), (mesh, key)
+
+
+def test_metrics_log_causal_and_full_square_mfu_and_time_apart(tiny_data, tmp_path):
+    """With a known peak, each logged step carries MFU counted causally (half the T × T square)
+    and PaLM's full-square MFU, in exactly the ratio of the two FLOP counts; the interval that
+    closes with the first step's compile, a validation or a save logs those seconds apart."""
+    import json
+
+    from onona_jax import summary
+
+    cfg = tiny_config(tiny_data, steps=4, eval_every=2, checkpoint_every=2, peak_tflops=1.0)
+    cfg.mesh.data = 1
+    trainer.train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in rows if "loss" in r and "tokens_per_s" in r]
+    f = summary.flops_per_token(cfg.model, cfg.data.seq_len)
+    assert f["train"] < f["train_full_square"]
+    for r in steps:
+        assert r["mfu_full_square"] / r["mfu"] == pytest.approx(f["train_full_square"] / f["train"], rel=1e-12)
+    assert steps[0]["step"] == 1 and steps[0]["compile_s"] > 0
+    assert any("validation_s" in r for r in steps) and any("checkpoint_s" in r for r in steps)
+    assert not any("compile_s" in r for r in steps[1:])

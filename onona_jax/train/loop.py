@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from onona_jax import cli, paths, summary
+from onona_jax import chips, cli, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.data import storage
 from onona_jax.eval.validation import Evaluator, variants
@@ -26,21 +26,13 @@ from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
 from onona_jax.train.upcycle import upcycle
 
-# Peak dense bf16 TFLOP/s per device, for model FLOPs utilisation.
-PEAK_TFLOPS = {
-    "H100": 989.0, "H200": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0,
-    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0,
-}
-
-
 def peak_tflops(cfg) -> float | None:
+    """Peak dense bf16 TFLOP/s per device, for model FLOPs utilisation: train.peak_tflops, else
+    the chip's (`chips.CHIPS`); None on a CPU."""
     if cfg.train.peak_tflops > 0:
         return float(cfg.train.peak_tflops)
-    kind = jax.devices()[0].device_kind
-    for name, tflops in PEAK_TFLOPS.items():
-        if name.lower() in kind.lower():
-            return tflops
-    return None
+    chip = chips.by_device_kind(jax.devices()[0].device_kind)
+    return chip.peak_tflops if chip else None
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -476,12 +468,15 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(t)])),
                          out_shardings=NamedSharding(run.mesh, P()))
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
+    flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_tflops(cfg)
     log = held["log"] = MetricsLog(workdir)
     log.restart(start)
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
+    # Seconds of the current log interval that were not training (the first step's compile, a
+    # validation, a checkpoint's device-to-host copy): kept out of tokens/s and MFU, logged apart.
+    paused = {"compile_s": 0.0, "validation_s": 0.0, "checkpoint_s": 0.0}
     bar = held["bar"] = tqdm(total=run.steps, initial=start, disable=not progress or jax.process_index() != 0,
                              dynamic_ncols=True, desc=cfg.name or "train")
 
@@ -492,8 +487,11 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
             return
         host = jax.device_get([m for _, m in pending])
         now = time.perf_counter()
-        tok_s = (pending[-1][0] - last_step) * tokens_per_step / max(now - last_time, 1e-9)
+        training = now - last_time - sum(paused.values())
+        tok_s = (pending[-1][0] - last_step) * tokens_per_step / max(training, 1e-9)
         last_time, last_step = now, pending[-1][0]
+        apart = {k: v for k, v in paused.items() if v}
+        paused.update(dict.fromkeys(paused, 0.0))
         for (s, _), m in zip(pending, host):
             m = {k: float(v) for k, v in m.items()}
             if not math.isfinite(m["loss"]):
@@ -502,8 +500,11 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
                     f"(step {ckpts.latest()}) is untouched; lower train.lr or check the data"
                 )
             m["tokens_per_s"] = tok_s
-            if peak:
-                m["mfu"] = tok_s * flops / (peak * 1e12 * jax.device_count())
+            if peak:  # causal attention at half the square (summary.flops_per_token); PaLM's beside it
+                m["mfu"] = tok_s * flops["train"] / (peak * 1e12 * jax.device_count())
+                m["mfu_full_square"] = tok_s * flops["train_full_square"] / (peak * 1e12 * jax.device_count())
+            if s == pending[-1][0]:
+                m.update(apart)
             log.write(s, m)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         pending.clear()
@@ -522,10 +523,12 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
                 f"non-finite parameters or optimizer state after step {step}; not saving them. "
                 f"The last good checkpoint (step {ckpts.latest()}) is untouched; lower train.lr or check the data"
             )
+        began = time.perf_counter()
         try:
             ckpts.save(step, state, batches.get_state(), cfg.to_json())
         except Exception as err:  # noqa: BLE001 - a failed write (full disk, read-only, quota)
             raise save_failure(ckpts, err) from None
+        paused["checkpoint_s"] += time.perf_counter() - began
 
     def wait():
         try:
@@ -534,8 +537,11 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
             raise save_failure(ckpts, err) from None
 
     def validate(step, tables=(None,)):
+        jax.block_until_ready(state)  # the steps in flight are training time
+        began = time.perf_counter()
         result = evaluator(state["params"], val_windows, tables, cfg.eval.batch)
         log.write(step, result)
+        paused["validation_s"] += time.perf_counter() - began
         return result
 
     held["stepping"] = True
@@ -544,7 +550,13 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
             validate(0)
         for step in range(start + 1, run.steps + 1):
             check_lock()  # a run whose workdir lock was lost (a bucket lease) stops here
-            state, metrics = train_step(state, global_batch(run, next(batches)))
+            batch = global_batch(run, next(batches))
+            if step == start + 1:  # the call compiles (or loads from the cache) before it dispatches
+                began = time.perf_counter()
+                state, metrics = train_step(state, batch)
+                paused["compile_s"] += time.perf_counter() - began
+            else:
+                state, metrics = train_step(state, batch)
             bar.update(1)
             check_saves()
             if step % cfg.train.log_every == 0 or step == run.steps:

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import config as config_lib
-from onona_jax import models, sharding, summary
+from onona_jax import attention, layers, models, sharding, summary
 from onona_jax.params import init_params, logical_axes
 from onona_jax.train import optimizer
 
@@ -61,6 +61,8 @@ def setup(cfg, devices=None) -> Run:
         lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state)
     )
     sharding.check_divisible(logical, abstract_params, mesh)
+    with sharding.activation_rules(mesh):  # a kernel these devices cannot run: named before any compile
+        attention.resolve(cfg.model.attention_impl, layers.DTYPES[cfg.model.dtype])
 
     t = cfg.train
     dp = sharding.data_parallel_size(mesh)

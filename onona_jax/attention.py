@@ -1,0 +1,148 @@
+"""Causal grouped-query attention for training and scoring, one function per backend
+(`model.attention_impl`):
+
+* `xla`: `jax.nn.dot_product_attention`, plain XLA: the whole T × T score matrix, kept for the
+  backward pass. What runs on CPU.
+* `splash`: Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), the
+  TPU flash kernel MaxText uses: scores live in VMEM tiles, fully masked blocks are skipped,
+  the backward pass recomputes from the log-sum-exp. On a CPU it runs in Pallas interpret mode
+  (slow; for tests and for checking a config before booking a slice).
+* `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash attention
+  on NVIDIA GPUs (bf16 or fp16 inputs only).
+* `auto` (the default): splash on TPU, cuDNN on GPU when the compute dtype is bf16 (XLA in fp32,
+  which cuDNN does not take), XLA on CPU. Decided from the devices of the mesh the step is traced
+  under (`sharding.active_mesh`), so an ahead-of-time compile for a TPU slice from a CPU host
+  picks what the slice will run.
+
+Every backend takes q [B, T, N, hd] and k, v [B, T, K, hd] (query head n reads KV head
+n // (N/K)) and scales by hd^-½. The KV-cache decoding path (`layers.cached_attention`) is plain
+XLA on every backend: one query row against the cache has no score matrix to fuse away.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from onona_jax import sharding
+
+IMPLS = ("auto", "xla", "splash", "cudnn")
+# The names remat policies save by (layers.REMAT_POLICIES): each layer's attention inputs (q, k, v
+# after QK-norm and RoPE) and its output, with splash's residuals (output, log-sum-exp).
+QKV, OUTPUT = "qkv", "attention"
+# Splash tiles: multiples of the TPU's 128 lanes; the largest of these that divides the padded
+# sequence (MaxText's default is 512 for both).
+SPLASH_BLOCKS = (512, 256, 128)
+
+
+def platform() -> str:
+    """"tpu", "gpu" or "cpu": the devices of the active mesh, else JAX's default backend."""
+    mesh = sharding.active_mesh()
+    name = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
+def resolve(impl: str | None, dtype) -> str:
+    """The backend `impl` names on this platform (`auto` decides; None is `xla`, as configs
+    saved before `auto` existed meant). A kernel the platform cannot run is an error."""
+    where, low = platform(), jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    impl = "xla" if impl is None else impl
+    if impl == "auto":
+        impl = "splash" if where == "tpu" else "cudnn" if where == "gpu" and low else "xla"
+    if impl == "cudnn" and (where != "gpu" or not low):
+        raise ValueError(
+            f"model.attention_impl='cudnn' needs an NVIDIA GPU and model.dtype=bfloat16 (here: {where}, "
+            f"{jnp.dtype(dtype).name}); use model.attention_impl=auto or xla")
+    precision = jax.config.jax_default_matmul_precision
+    if impl == "splash" and where == "tpu" and low and precision not in (None, "default", "bfloat16", "fastest"):
+        # Mosaic refuses an fp32 contract precision on bf16 operands (its compile fails deep in
+        # the kernel); a bf16 model gains nothing from it.
+        raise ValueError(
+            f"splash attention on TPU with model.dtype={jnp.dtype(dtype).name} cannot run under "
+            f"jax_default_matmul_precision={precision!r}; unset it (bf16 matmuls ignore it) or use "
+            "model.attention_impl=xla")
+    return impl
+
+
+def causal_attention(q, k, v, impl: str | None = "auto"):
+    """Causal grouped-query attention by `impl` (see the module docstring) → [B, T, N, hd]."""
+    impl = resolve(impl, q.dtype)
+    if impl == "splash":
+        return splash_attention(q, k, v, interpret=platform() != "tpu")  # off TPU: Pallas interpret mode
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
+
+
+# ----------------------------------------------------------------------------- splash
+
+
+def splash_block(T: int) -> tuple[int, int]:
+    """(block, padded length) for sequence length T: T rounds up to the 128 lanes, and the
+    block is the largest of `SPLASH_BLOCKS` that divides it."""
+    padded = -(-T // 128) * 128
+    return next(b for b in SPLASH_BLOCKS if padded % b == 0), padded
+
+
+def _splash_kernel(heads: int, padded: int, block: int, interpret: bool):
+    """Built at each trace, not cached: the kernel holds its mask tables as arrays, which a
+    cache would leak from one trace into the next."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    mask = sa.MultiHeadMask([sa.CausalMask((padded, padded))] * heads)
+    sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                          block_q_dq=block, block_kv_dq=block)
+    # One device's heads: under a mesh the call below is already inside shard_map.
+    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+                              residual_checkpoint_name=OUTPUT)
+
+
+def _splash_local(q, k, v, interpret: bool):
+    """Splash on one device's rows and heads: q [B, T, N, hd], k/v [B, T, K, hd]. The kernel
+    takes GQA as is (KV head n // (N/K)), so K/V are never repeated. T pads up to the block
+    with keys no real query sees (causal) and queries whose rows are dropped."""
+    B, T, N, H = q.shape
+    block, padded = splash_block(T)
+    q = q * jnp.asarray(1.0 / math.sqrt(H), q.dtype)  # splash does not scale
+    pad = [(0, 0), (0, padded - T), (0, 0), (0, 0)]
+    q, k, v = (jnp.pad(a, pad).transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, heads, T', hd]
+    kernel = _splash_kernel(N, padded, block, interpret)
+    out = jax.vmap(kernel)(q, k, v)  # [B, N, T', hd]
+    return out.transpose(0, 2, 1, 3)[:, :T]
+
+
+def splash_attention(q, k, v, interpret: bool = False):
+    """Splash attention, sharded as the rules table shards the activations: rows over the batch
+    axes and heads over the `act_heads` axis, one kernel per device inside `shard_map` (the
+    kernel has no partitioning rule of its own). The sequence stays whole on each device."""
+    found = sharding.active()
+    N, K = q.shape[2], k.shape[2]
+    if found is None or found[0].size == 1:
+        return _splash_local(q, k, v, interpret)
+    mesh, rules = found
+    batch = sharding.logical_to_mesh(P("batch"), rules)[0]
+    heads = sharding.logical_to_mesh(P("act_heads"), rules)[0]
+    n_heads = math.prod(mesh.shape[a] for a in ((heads,) if isinstance(heads, str) else heads or ()))
+    if N % n_heads or K % n_heads:
+        raise ValueError(
+            f"splash attention shards heads over mesh axis {heads!r} of size {n_heads}, which must divide "
+            f"model.n_heads={N} and model.n_kv_heads={K}; choose mesh.tensor accordingly or "
+            f"model.attention_impl=xla")
+    n_batch = math.prod(mesh.shape[a] for a in ((batch,) if isinstance(batch, str) else batch or ()))
+    # The train step's rows always divide the batch axes; a scoring batch that does not (an eval
+    # task's last batch) runs whole on each device group rather than fail.
+    spec = P(batch if q.shape[0] % n_batch == 0 else None, None, heads, None)
+    return jax.shard_map(functools.partial(_splash_local, interpret=interpret), mesh=mesh,
+                         in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+
+
+def check_shape(impl: str | None, head_dim: int) -> list[str]:
+    """What a named kernel cannot take, as error lines for `config.validate` (before compile)."""
+    problems = []  # splash takes any head_dim (it pads to the 128 lanes; 16-128 compiled for v5e)
+    if impl == "cudnn" and (head_dim % 8 or head_dim > 256):
+        problems.append(f"model.attention_impl='cudnn' needs model.head_dim a multiple of 8, at most 256 (got {head_dim})")
+    return problems
