@@ -96,13 +96,20 @@ def one_error(res: Result, rc: int, *words: str) -> str:
     expect(len(lines) == 1, f"{len(lines)} error lines: {lines or res.tail()}")
     for w in words:
         expect(w in lines[0], f"the error line lacks {w!r}: {lines[0]}")
-    expect("Traceback" not in res.err and "Event loop is closed" not in res.err, f"a traceback: {res.tail()}")
+    expect("Traceback" not in res.err and "Event loop is closed" not in res.err, f"a traceback: {_excerpt(res.err)}")
     return lines[0]
+
+
+def _excerpt(err: str) -> str:
+    """The first traceback in `err`, from its first line (or the event-loop line) on, a dozen lines."""
+    lines = err.splitlines()
+    at = next((i for i, ln in enumerate(lines) if "Traceback" in ln or "Event loop is closed" in ln), 0)
+    return " | ".join(ln.strip()[:200] for ln in lines[max(0, at - 2):at + 12])
 
 
 def ok(res: Result):
     expect(res.rc == 0, f"exit {res.rc}, expected 0: {res.tail()}")
-    expect("Traceback" not in res.err, f"a traceback: {res.tail()}")
+    expect("Traceback" not in res.err, f"a traceback: {_excerpt(res.err)}")
 
 
 def digest(path: Path) -> dict:

@@ -399,11 +399,14 @@ def largest_arrays(hlo: str, n: int = 6) -> list[dict]:
     return [{"shape": shape, "bytes": nbytes, "count": count} for shape, (nbytes, count) in top]
 
 
-def score_matrix_arrays(hlo: str, seq_len: int) -> list[str]:
+def score_matrix_arrays(hlo: str, seq_len: int, widths: tuple[int, ...] = ()) -> list[str] | None:
     """Shapes of materialised arrays whose last two dimensions are both the sequence length
     (padded or not): attention score or probability matrices [..., T, T], and XLA's causal
-    mask (pred). Ambiguous where d_model or d_ff equals T ([..., T, d] looks the same)."""
+    mask (pred). None (undecidable by shape) when one of the model's `widths` (d_model, d_ff)
+    is T too: a [..., T, d] activation would look the same."""
     lo, hi = seq_len, -(-seq_len // 128) * 128
+    if any(lo <= w <= hi for w in widths):
+        return None
     found = set()
     for shape, _ in materialised_arrays(hlo):
         dims = [int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d]
@@ -529,7 +532,7 @@ def _compile(fn, *args):
     return compiled, time.perf_counter() - start
 
 
-def _analyse(compiled, seconds: float, hbm: int, n_devices: int, seq_len: int) -> dict:
+def _analyse(compiled, seconds: float, hbm: int, n_devices: int, cfg) -> dict:
     mem = compiled.memory_analysis()
     args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     alias, temps = mem.alias_size_in_bytes, mem.temp_size_in_bytes
@@ -550,7 +553,7 @@ def _analyse(compiled, seconds: float, hbm: int, n_devices: int, seq_len: int) -
         "collective_bytes": collectives,
         "top_collectives": [_describe(d, hlo) for d in details[:8]],
         "attention_kernels": attention_kernels(hlo),
-        "score_matrices": score_matrix_arrays(hlo, seq_len),
+        "score_matrices": score_matrix_arrays(hlo, cfg.data.seq_len, (cfg.model.d_model, cfg.model.d_ff)),
         "largest_arrays": largest_arrays(hlo),
     }
 
@@ -606,7 +609,7 @@ def compile_train(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     state = trainer.abstract_train_state(run)
     batch = _abstract((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32, run.batch_sharding)
     compiled, seconds = _compile(trainer.make_train_step(run), state, batch)
-    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices), cfg.data.seq_len)
+    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices), cfg)
     tokens = cfg.train.global_batch * cfg.data.seq_len
     out["model_flops"] = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"] * tokens / len(devices)
     out.update(micro_batch=cfg.train.global_batch // (run.accum * run.dp), accum=run.accum,
@@ -632,7 +635,7 @@ def compile_eval(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     weights = _abstract((b,), np.float32, sharding.batch_sharding(run.mesh, 1))
     step = make_eval_step(run.graphdef, run.mesh, run.param_shardings)
     compiled, seconds = _compile(step, params, tokens, weights)
-    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices), cfg.data.seq_len)
+    out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices), cfg)
     out["batch"] = b
     out["model_flops"] = summary.flops_per_token(cfg.model, cfg.data.seq_len)["forward"] * b * cfg.data.seq_len / len(devices)
     return out
@@ -799,6 +802,10 @@ def _gib(x) -> str:
     return "?" if x is None else f"{x / GiB:.2f}"
 
 
+def _scores(found) -> str:
+    return "not decidable by shape (d_model or d_ff = T)" if found is None else ", ".join(found) or "none"
+
+
 def format_table(result: dict) -> str:
     s = result["slice"]
     lines = [f"{result['config']} on {s['name']} ({s['topology']}, {s['devices']} devices, "
@@ -821,7 +828,7 @@ def format_table(result: dict) -> str:
             lines.append(f"{'':<10} train: mesh {t['mesh']}, micro_batch {t['micro_batch']} × "
                          f"{t['accum']} accumulation steps, remat {t['remat']}")
             lines.append(f"{'':<10} attention kernel: {', '.join(t['attention_kernels']) or 'none (plain XLA)'}; "
-                         f"[..., T, T] arrays: {', '.join(t['score_matrices']) or 'none'}")
+                         f"[..., T, T] arrays: {_scores(t['score_matrices'])}")
             lines.append(f"{'':<10} largest arrays: " + ", ".join(
                 f"{a['shape']} {a['bytes'] / 2**20:.0f} MiB ×{a['count']}" for a in t["largest_arrays"][:4]))
     if result.get("ratio"):

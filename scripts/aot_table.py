@@ -15,7 +15,8 @@ def _kernel(t):
     names = t.get("attention_kernels", [])
     kind = "splash" if any(n.startswith("mosaic:splash") for n in names) else \
         "cuDNN" if any(n.startswith("cudnn:") for n in names) else "XLA"
-    return f"{kind}, {'no' if not t.get('score_matrices') else ''} [T,T]".replace(",  [", ", [")
+    found = t.get("score_matrices")
+    return f"{kind}, " + ("[T,T] n/a (d = T)" if found is None else "[T,T]" if found else "no [T,T]")
 
 
 def rows(path):
