@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import jax
 import numpy as np
@@ -116,6 +117,28 @@ class _WithoutOrbaxTracebacks:
         return getattr(self.stream, name)
 
 
+class _NoOrbaxRecords(logging.Filter):
+    """Drops log records about Orbax's writers: its own (each failed writer thread logs its
+    traceback) and asyncio's "Task exception was never retrieved" for an Orbax coroutine,
+    whose message and traceback name orbax while the record's pathname is asyncio's. Filters
+    on handlers too, since a handler made before the scope writes to the real stderr."""
+
+    def filter(self, record):
+        text = record.pathname + "\n" + record.getMessage()
+        if record.exc_info and record.exc_info[2] is not None:
+            text += "".join(traceback.format_tb(record.exc_info[2]))
+        return "/orbax/" not in text.replace(os.sep, "/")
+
+
+def _drop_orbax_task_reports():
+    """From now on, drop asyncio's reports of failed Orbax coroutines: a failed save's tasks
+    are finalized whenever the collector gets to them, maybe after the reporting scope ended
+    (how one reached CI's stderr). Every other asyncio record passes."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _NoOrbaxRecords) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_NoOrbaxRecords())
+
+
 @contextlib.contextmanager
 def without_orbax_tracebacks():
     """For a training run: Orbax's asynchronous writers fail in their own threads. The scope
@@ -129,11 +152,8 @@ def without_orbax_tracebacks():
     reports each through sys.excepthook (PyErr_Print), from its own threads, several at once:
     interleaved text no line filter can take apart. Those exceptions are dropped at the hook
     (`_closed_loop_callback`: exactly that error, raised in `call_soon_threadsafe`)."""
-    class NoOrbaxRecords(logging.Filter):  # Orbax logs each failed writer thread's traceback
-        def filter(self, record):
-            return "/orbax/" not in record.pathname.replace(os.sep, "/")
-
-    previous, records = sys.stderr, NoOrbaxRecords()
+    previous, records = sys.stderr, _NoOrbaxRecords()
+    _drop_orbax_task_reports()
     hooks = sys.excepthook, sys.unraisablehook
 
     def excepthook(kind, value, tb):
@@ -215,8 +235,6 @@ def quiet():
         # The failed read's coroutines live on in the traceback's frames and print their own
         # errors (with TensorStore specs) when finalized, at exit: finalize them now, here,
         # and drop the reports of any that outlive this (`_drop_orbax_leftovers`).
-        import traceback
-
         traceback.clear_frames(err.__traceback__)
         _drop_orbax_leftovers()
         raise
