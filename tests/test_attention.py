@@ -4,7 +4,9 @@ skipped, online softmax, the dq and dkv backward kernels) is what is checked.
 
 Tolerances: fp32 throughout. Splash sums the key axis block by block with an online softmax
 (running max and rescaling) where XLA sums it whole, so values and gradients differ by fp32
-rounding of sums over up to T terms: 1e-5 absolute on values and gradients of order one.
+rounding of sums over up to T terms: 1e-5 of the array's largest magnitude (values are of order
+one; gradients, weighted by N(0, 1) output weights, reach about 10, where one fp32 ulp is 1e-6
+and the CPU's vector width changes the summation order).
 """
 
 import os
@@ -23,6 +25,11 @@ def _qkvw(B, T, N, K, H, seed=0):
     return [jnp.asarray(r.standard_normal(s, np.float32)) for s in [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]]
 
 
+def _close(ours, reference):
+    reference = np.asarray(reference)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5 * max(1.0, float(np.abs(reference).max())))
+
+
 def _grads(impl, q, k, v, w):
     return jax.jit(jax.grad(lambda q, k, v: (attention.causal_attention(q, k, v, impl) * w).sum(), (0, 1, 2)))(q, k, v)
 
@@ -35,9 +42,9 @@ def test_splash_matches_xla_values_and_gradients(T, H):
     assert attention.splash_block(T) == ((128, 384) if T == 300 else (128, 128))
     splash = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, "splash"))(q, k, v)
     xla = attention.causal_attention(q, k, v, "xla")
-    np.testing.assert_allclose(splash, xla, rtol=0, atol=1e-5)
+    _close(splash, xla)
     for g_s, g_x in zip(_grads("splash", q, k, v, w), _grads("xla", q, k, v, w)):
-        np.testing.assert_allclose(g_s, g_x, rtol=0, atol=1e-5)
+        _close(g_s, g_x)
 
 
 def test_splash_sharded_on_eight_devices_matches_xla():
@@ -50,9 +57,9 @@ def test_splash_sharded_on_eight_devices_matches_xla():
         grads = _grads("splash", q, k, v, w)
         hlo = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, "splash")).lower(q, k, v).as_text()
     assert "shard_map" in hlo or "manual" in hlo.lower()
-    np.testing.assert_allclose(out, attention.causal_attention(q, k, v, "xla"), rtol=0, atol=1e-5)
+    _close(out, attention.causal_attention(q, k, v, "xla"))
     for g_s, g_x in zip(grads, _grads("xla", q, k, v, w)):
-        np.testing.assert_allclose(g_s, g_x, rtol=0, atol=1e-5)
+        _close(g_s, g_x)
 
 
 def test_auto_picks_the_kernel_of_the_mesh_devices():
