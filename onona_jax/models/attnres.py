@@ -364,8 +364,9 @@ class AttnResTrunk(nnx.Module):
                 state, i = xs
                 y_attn, pull_attn = jax.vjp(attn, state, mix_attn(state, buffer, i))
                 y_mlp, pull_mlp = jax.vjp(mlp, state, mix_mlp(state, buffer, y_attn, i))
-                pre = jax.lax.dynamic_index_in_dim(buffer, self._slots(i)[0], 0, keepdims=False)
-                kept = (pre, y_attn) if k > 1 else ()
+                kept = ()  # with k = 1 the bwd reads both from the final buffer
+                if k > 1:
+                    kept = (jax.lax.dynamic_index_in_dim(buffer, self._slots(i)[0], 0, keepdims=False), y_attn)
                 return self._advance(buffer, y_attn, y_mlp, i), (kept, pull_attn, pull_mlp)
 
             final, per_layer = jax.lax.scan(body, buffer, (stacked, jnp.arange(L)))
