@@ -263,7 +263,7 @@ class Checkpoints:
             self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
         self.saved: int | None = None  # the step of the newest save started
-        self.manager = ocp.CheckpointManager(
+        self.manager = _listed(lambda: ocp.CheckpointManager(
             self.directory,
             item_names=("state", "data", "config"),
             options=ocp.CheckpointManagerOptions(
@@ -275,7 +275,7 @@ class Checkpoints:
                 # comes, and the process cannot exit before they give up. Costs one mkdir per item.
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
-        )
+        ))
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -505,7 +505,7 @@ class Checkpoints:
         (a live run's rotation deleted it; its listing was a snapshot), not unreadable."""
         if not self.read_only:
             return False
-        self.manager.reload()
+        _listed(self.manager.reload)
         return step not in self.steps()
 
     def _set_aside(self, step: int) -> str:
@@ -518,8 +518,22 @@ class Checkpoints:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(src, dst)  # one rename
         # Reload the manager's view of which steps exist.
-        self.manager.reload()
+        _listed(self.manager.reload)
         return str(dst)
+
+
+def _listed(list_steps, tries: int = 5):
+    """`list_steps()` (a CheckpointManager made or reloaded), listed again when a step vanished
+    under it: Orbax lists the step directories, then reads each one's metadata and mtime in
+    threads, so a step a live run's rotation deletes in between raises FileNotFoundError from
+    that read. A fresh listing no longer holds it; a directory that stays missing still raises."""
+    for attempt in range(tries):
+        try:
+            return list_steps()
+        except FileNotFoundError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
 
 
 def _orbax_threads() -> list[threading.Thread]:

@@ -303,3 +303,35 @@ def test_generate_on_a_run_that_rotates_between_its_reads(copy_run, capfd, monke
 
     assert generate.main([f"--workdir={copy_run}", "--step=4"]) == 2
     assert one_error(capfd) == (f"error: no checkpoint at step 4 in {copy_run / 'checkpoints'}; have [2, 6]")
+
+
+def test_a_step_deleted_between_orbax_listing_it_and_reading_its_metadata(copy_run, capfd, monkeypatch):
+    """Orbax lists the step directories, then reads each one's metadata and mtime: a live run's
+    rotation deleting step 4 in between raised FileNotFoundError out of the listing itself, a
+    traceback from generate (CI's fault battery, generate-on-a-live-run). The reader lists again,
+    reads step 2 and changes nothing."""
+    from orbax.checkpoint import checkpoint_manager
+
+    real = checkpoint_manager.step_lib.standard_name_format
+    deleted = []
+
+    def racing(*args, **kwargs):
+        fmt = real(*args, **kwargs)
+        find_all = fmt.find_all
+
+        def find_then_delete(base):
+            found = list(find_all(base))  # the listing's snapshot holds step 4 ...
+            if not deleted:  # ... which the run deletes before its metadata is read
+                shutil.rmtree(copy_run / "checkpoints" / "4")
+                deleted.append(tree_digest(copy_run))
+            return iter(found)
+
+        object.__setattr__(fmt, "find_all", find_then_delete)
+        return fmt
+
+    monkeypatch.setattr(checkpoint_manager.step_lib, "standard_name_format", racing)
+    assert generate.main([f"--workdir={copy_run}", "--max_new_tokens=2", "--prompt=It is", "--greedy"]) == 0
+    out, err = capfd.readouterr()
+    assert len(deleted) == 1 and "Traceback" not in err, err
+    assert "step 2]" in out, out
+    assert tree_digest(copy_run) == deleted[0]  # the reader changed nothing
