@@ -1,4 +1,4 @@
-"""Dense (one-hot einsum) vs sort (gather) MoE dispatch: one MoE layer's jitted forward and
+"""Grouped (ragged_dot), dense (one-hot einsum) and sort (gather) MoE dispatch: one MoE layer's jitted forward and
 forward+backward on this machine, fp32, at the tiny/small configs' training shapes and at
 142M widths with a short sequence. Prints JSON (milliseconds, min and median of --reps).
 
@@ -51,7 +51,7 @@ def build(name, dispatch):
 def bench(name, reps):
     """Both dispatches compiled first, then timed in alternation, so load from other
     processes on a shared machine hits both alike; the minimum is the least disturbed run."""
-    built = {d: build(name, d) for d in ("dense", "sort")}
+    built = {d: build(name, d) for d in moe.DISPATCH}
     times = {(d, k): [] for d in built for k in ("forward", "fwd_bwd")}
     compile_ms = {}
     for d, (_, fns, args) in built.items():
@@ -65,7 +65,7 @@ def bench(name, reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(*args))
                 times[(d, k)].append((time.perf_counter() - t0) * 1e3)
-    res = {"shape": built["dense"][0]}
+    res = {"shape": built["sort"][0]}
     for d in built:
         res[d] = {f"{k}_ms_{stat}": round(float(f(times[(d, k)])), 2)
                   for k in ("forward", "fwd_bwd") for stat, f in (("min", np.min), ("median", np.median))}

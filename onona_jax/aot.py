@@ -662,11 +662,11 @@ def _with(cfg, **changes):
 
 
 def _dp(cfg, s: Slice) -> int:
-    """data × fsdp on the slice, as sharding.make_mesh resolves a -1 axis."""
-    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+    """data × fsdp × expert on the slice, as sharding.make_mesh resolves a -1 axis."""
+    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor]
     known = math.prod(x for x in sizes if x != -1)
     sizes = [s.devices // known if x == -1 else x for x in sizes]
-    return sizes[0] * sizes[1]
+    return sizes[0] * sizes[1] * sizes[2]
 
 
 # The remat policies --fit weighs, cheapest recompute first (layers.REMAT_POLICIES).

@@ -592,8 +592,8 @@ def saved_config(workdir: str, step: int | None = None):
 def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, parts=None,
                    via_host: bool = False):
     """(params, step, cfg, mesh) of a run's checkpoint (the newest readable one unless `step`),
-    the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` whatever mesh
-    trained them. Read-only: an unreadable step (its arrays or its config) is skipped with a
+    the parameters alone, placed on a (data, fsdp, tensor) mesh of `devices` (or on `mesh`
+    itself when it is a Mesh) whatever mesh trained them. Read-only: an unreadable step (its arrays or its config) is skipped with a
     warning and left in place, and the step used is reported. `parts` (e.g. ("head",))
     restores only those top-level parts of the tree, so a caller can hold one part at a time
     (serving folds the head before the trunk); `via_host` places them one array at a time
@@ -603,7 +603,7 @@ def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devic
     ckpts = Checkpoints(paths.join(workdir, "checkpoints"), read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
-    grid = sharding.make_mesh(*mesh, devices)
+    grid = mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.make_mesh(*mesh, devices)
 
     def read(s):
         cfg = _config(ckpts, s)

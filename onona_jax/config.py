@@ -63,10 +63,11 @@ def base_config() -> ml_collections.ConfigDict:
     m.moe.top_k = 2
     m.moe.d_expert = 1024
     m.moe.renormalize = False  # renormalise the top-k router weights to sum to 1
-    m.moe.capacity_factor = 1.25  # training and validation
+    m.moe.capacity_factor = 1.25  # training and validation; 0 = dropless
     m.moe.eval_capacity_factor = 4.0  # perplexity and downstream evaluation
     m.moe.aux_coef = 0.001  # Switch load-balancing loss, pooled over layers
-    m.moe.dispatch = "sort"  # sort (gather; faster on CPU, benchmarks/bench_moe.py) | dense (einsum)
+    # auto: grouped (ragged_dot; TPU/GPU, mesh.expert > 1) else sort | grouped | sort (gather) | dense (einsum)
+    m.moe.dispatch = "auto"
 
     m.gdn = ml_collections.ConfigDict()  # arch=gdn: Gated DeltaNet layers (SPEC §3)
     m.gdn.n_heads = 6
@@ -113,6 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ms = ml_collections.ConfigDict()
     ms.data = -1
     ms.fsdp = 1
+    ms.expert = 1  # expert parallelism (MoE): n_experts must divide by it; elsewhere more FSDP
     ms.tensor = 1
     return c
 
@@ -186,11 +188,15 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     need(cfg.eval.windows > 0, f"eval.windows={cfg.eval.windows} must be positive")
     need(cfg.eval.batch > 0, f"eval.batch={cfg.eval.batch} must be positive")
     need(cfg.eval.seed >= 0, f"eval.seed={cfg.eval.seed} must be zero or positive")
-    sizes = {f"mesh.{k}": cfg.mesh[k] for k in ("data", "fsdp", "tensor")}
+    sizes = {f"mesh.{k}": cfg.mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
     for key, size in sizes.items():
         need(size > 0 or size == -1, f"{key}={size} must be positive, or -1 (the devices the other axes leave)")
     need(list(sizes.values()).count(-1) <= 1,
          f"{', '.join(f'{k}={v}' for k, v in sizes.items())}: at most one mesh axis may be -1")
+    if m.arch == "moe":
+        need(cfg.mesh.expert == 1 or m.moe.dispatch in ("auto", "grouped"),
+             f"mesh.expert={cfg.mesh.expert} with model.moe.dispatch={m.moe.dispatch!r}: only the grouped "
+             "dispatch sends tokens to experts on other devices; use model.moe.dispatch=grouped (or auto)")
     return cfg
 
 
@@ -242,8 +248,8 @@ RESUMABLE_KEYS = (
     "train.peak_tflops",     # MFU's denominator
     "train.micro_batch",     # gradient accumulation: the same global batch in other slices
     "eval.batch",            # rows per validation batch
-    "mesh.data", "mesh.fsdp", "mesh.tensor",  # checkpoints restore onto any mesh
-    "model.remat", "model.attention_impl",    # how the step is computed, not what
+    "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor",  # checkpoints restore onto any mesh
+    "model.remat", "model.attention_impl", "model.moe.dispatch",  # how the step is computed, not what
 )
 
 

@@ -17,27 +17,27 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# Outermost first: a tensor-parallel group is the devices closest together, then an
+# expert-parallel one (an all-to-all per MoE layer), then FSDP (gathers per layer), then data.
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # logical name -> mesh axis (or axes, or None = replicated). First match wins.
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "expert")),  # outside the experts, the expert axis is more FSDP
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    # MoE expert axis replicated: an expert weight [E, d, f] shards like the dense MLP's
-    # [d, f] (f on tensor, d on fsdp), so tensor parallelism costs the same one all-reduce
-    # per layer, tokens never move between devices and E need not divide the tensor axis.
-    # ("expert", "tensor") would be expert parallelism, which needs an all-to-all of the
-    # [B, E, C, d] buffers that XLA's automatic partitioner does not do well.
-    ("expert", None),
+    # MoE experts [E, d, f]: E over the expert axis (expert parallelism; tokens reach their
+    # experts by all-to-all, moe.py), d and f as the dense MLP's. With mesh.expert = 1 every
+    # device holds all experts, sharded like the MLP.
+    ("expert", "expert"),
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
     # activations
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),  # the expert axis splits tokens outside the MoE
     ("seq", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -53,26 +53,27 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.Context
 )
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over all devices; one axis may be -1 (takes the rest)."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *, expert: int = 1) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh over all devices; one axis may be -1 (takes the rest)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    named = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    sizes = [named[a] for a in MESH_AXES]
     if sum(s == -1 for s in sizes) > 1:
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1")
+        raise ValueError(f"mesh {named}: at most one axis may be -1")
     if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: sizes must be positive or -1")
+        raise ValueError(f"mesh {named}: sizes must be positive or -1")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
             raise ValueError(
-                f"mesh {dict(zip(MESH_AXES, sizes))}: {len(devices)} devices are not divisible by "
+                f"mesh {named}: {len(devices)} devices are not divisible by "
                 f"the fixed axes' product {known}; set --config.mesh.* so they divide"
             )
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but this run has "
-            f"{len(devices)}; set --config.mesh.data/fsdp/tensor so their product is "
+            f"{len(devices)}; set --config.mesh.data/fsdp/expert/tensor so their product is "
             f"{len(devices)} (one of them may be -1)"
         )
     try:  # topology-aware placement where the platform supports it
@@ -98,7 +99,7 @@ def logical_to_mesh(spec: P, rules=RULES) -> P:
 
 
 def batch_axes(rules=RULES):
-    """The mesh axes the batch is split over (the `batch` rule): data and fsdp."""
+    """The mesh axes the batch is split over (the `batch` rule): data, fsdp and expert."""
     return logical_to_mesh(P("batch"), rules)[0]
 
 
@@ -141,7 +142,8 @@ def check_divisible(logical, abstract, mesh):
                 raise ValueError(
                     f"parameter {path} dimension {dim} ({spec[dim]}) has size {size}, not divisible "
                     f"by mesh axis {axes} of size {n}; choose --config.mesh.* so that it divides "
-                    f"(e.g. heads, kv_heads, d_ff and vocab_size divisible by mesh.tensor)"
+                    f"(e.g. heads, kv_heads, d_ff and vocab_size divisible by mesh.tensor, "
+                    f"moe.n_experts by mesh.expert)"
                 )
 
 

@@ -1,6 +1,7 @@
-"""MoE (SPEC §3): HF Qwen3-MoE parity (block and pooled load-balancing loss), capacity
-drops under the (choice, token) priority, dense ⇄ sort dispatch, parameter counts at 142M,
-scanned ⇄ unscanned, and a sharded run. fp32 throughout."""
+"""MoE (SPEC §3): HF Qwen3-MoE parity (block, dropless mode and pooled load-balancing loss),
+capacity drops under the (choice, token) priority, grouped ⇄ dense ⇄ sort dispatch,
+parameter counts at 142M, scanned ⇄ unscanned, and sharded runs with expert parallelism
+(all-to-all, no expert weight gathered across the expert axis). fp32 throughout."""
 
 import functools
 import os
@@ -79,10 +80,13 @@ def _hf_block(params, m):
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize("dispatch", ["dense", "sort"])
-def test_block_matches_hf_qwen3_moe(renormalize, dispatch):
-    # eval capacity 4.0 = E/top_k: C = T, nothing can be dropped (HF never drops).
-    m = moe.eval_config(_cfg(renormalize=renormalize, dispatch=dispatch))
+@pytest.mark.parametrize("dispatch", ["grouped", "dense", "sort"])
+@pytest.mark.parametrize("dropless", [False, True])
+def test_block_matches_hf_qwen3_moe(renormalize, dispatch, dropless):
+    # eval capacity 4.0 = E/top_k: C = T, nothing can be dropped (HF never drops); or the
+    # dropless mode (capacity_factor 0) of a training config.
+    m = _cfg(renormalize=renormalize, dispatch=dispatch)
+    m = moe.eval_config(m) if not dropless else _cfg(renormalize=renormalize, dispatch=dispatch, capacity_factor=0)
     graphdef, params = _moe(m)
     x = _x(m)
     y, aux = nnx.merge(graphdef, params)(x)
@@ -151,7 +155,7 @@ def _swiglu(p, e, x):
     return (g / (1 + np.exp(-g)) * u) @ p["down"][e]
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "sort"])
+@pytest.mark.parametrize("dispatch", ["grouped", "dense", "sort"])
 def test_capacity_drops_exactly_the_overflow(dispatch):
     m = _cfg(capacity_factor=0.5, dispatch=dispatch, renormalize=True)
     graphdef, params = _moe(m)
@@ -196,10 +200,12 @@ def test_dropped_tokens_pass_through_the_block():
     assert np.abs(np.asarray(out - mid)[~gone]).min(axis=-1).max() > 0
 
 
-@pytest.mark.parametrize("capacity_factor", [0.5, 1.25])
-def test_dense_and_sort_dispatch_agree_with_gradients(capacity_factor):
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.25, 0])
+def test_dispatches_agree_with_gradients(capacity_factor):
+    """grouped, dense and sort keep the same assignments: outputs, statistics and gradients
+    agree (0: dropless)."""
     outs = {}
-    for dispatch in ("dense", "sort"):
+    for dispatch in ("grouped", "dense", "sort"):
         m = _cfg(capacity_factor=capacity_factor, dispatch=dispatch)
         graphdef, params = _moe(m)
         x = _x(m, B=3, T=33)
@@ -211,17 +217,22 @@ def test_dense_and_sort_dispatch_agree_with_gradients(capacity_factor):
 
         (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
         outs[dispatch] = (y, aux, grads)
-    (yd, ad, gd), (ys, as_, gs) = outs["dense"], outs["sort"]
-    np.testing.assert_allclose(np.asarray(yd), np.asarray(ys), rtol=0, atol=1e-6)
-    for k in moe.AUX_KEYS:
-        np.testing.assert_array_equal(np.asarray(ad[k]), np.asarray(as_[k]))
-    if capacity_factor < 1:
-        assert float(ad["moe_dropped"]) > 0
-    # Gradients sum many terms in a different order (einsum vs gather/scatter-add): agree
-    # to fp32 reassociation, 1e-6 absolute plus 1e-5 relative (router grads reach ~10).
-    for a, b in zip(jax.tree.leaves(gd), jax.tree.leaves(gs)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(gd)) > 1e-2
+    ys, as_, gs = outs["sort"]
+    for other in ("dense", "grouped"):
+        yd, ad, gd = outs[other]
+        np.testing.assert_allclose(np.asarray(yd), np.asarray(ys), rtol=0, atol=1e-6)
+        for k in moe.AUX_KEYS:
+            np.testing.assert_array_equal(np.asarray(ad[k]), np.asarray(as_[k]))
+        # Gradients sum many terms in a different order (einsum vs gather/scatter-add vs
+        # grouped matmuls): agree to fp32 reassociation, 1e-6 absolute plus 1e-5 relative
+        # (router grads reach ~10).
+        for a, b in zip(jax.tree.leaves(gd), jax.tree.leaves(gs)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    if 0 < capacity_factor < 1:
+        assert float(as_["moe_dropped"]) > 0
+    if capacity_factor == 0:
+        assert float(as_["moe_dropped"]) == 0
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(gs)) > 1e-2
 
 
 def test_parameter_counts_142m():
@@ -255,27 +266,87 @@ def test_scanned_and_unscanned_agree():
     assert float(out[True][1]["moe_layers"]) == m.n_layers
 
 
-def test_expert_sharding_and_sharded_forward():
-    """Expert weights shard like the dense MLP (d on fsdp, f on tensor, experts replicated);
-    a sharded forward on a (2, 2, 2) mesh equals the single-device one."""
+def test_expert_sharding_rules():
+    """Expert weights [E, d, f]: E over the expert axis, d over fsdp, f over tensor; outside
+    the experts the expert axis is more FSDP (embed) and more batch."""
     P = jax.sharding.PartitionSpec
-    assert sharding.logical_to_mesh(P("layers", "expert", "embed", "mlp")) == P(None, None, "fsdp", "tensor")
-    assert sharding.logical_to_mesh(P("layers", "expert", "mlp", "embed")) == P(None, None, "tensor", "fsdp")
+    assert sharding.logical_to_mesh(P("layers", "expert", "embed", "mlp")) == P(None, "expert", "fsdp", "tensor")
+    assert sharding.logical_to_mesh(P("layers", "expert", "mlp", "embed")) == P(None, "expert", "tensor", "fsdp")
+    assert sharding.logical_to_mesh(P("embed", "mlp")) == P(("fsdp", "expert"), "tensor")
+    assert sharding.logical_to_mesh(P("batch", "seq")) == P(("data", "fsdp", "expert"), None)
+
+
+def test_sort_or_dense_under_expert_parallelism_is_an_error():
+    cfg = config.load(os.path.join(REPO, "configs/paper.py:moe-tiny-twin"))
+    cfg.mesh.expert = 2
+    cfg.model.moe.dispatch = "sort"
+    with pytest.raises(ValueError, match="only the grouped dispatch sends tokens to experts on other devices"):
+        config.validate(cfg)
+
+
+# (data, fsdp, expert, tensor): expert parallelism 2, 4 and 8 beside data, FSDP and tensor axes
+EP_MESHES = [(1, 2, 2, 2), (2, 1, 4, 1), (1, 1, 8, 1), (2, 2, 1, 2)]
+
+
+@pytest.mark.parametrize("mesh_shape", EP_MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_expert_parallel_loss_and_gradients_equal_one_device_sort(mesh_shape):
+    """The tiny MoE model's loss and gradients on an 8-device mesh with expert parallelism
+    (grouped dispatch, all-to-all) equal one device's sort dispatch, with capacity drops:
+    the same tokens dropped. Tolerance: fp32 reassociation (the grouped matmuls and the
+    sharded reductions sum in another order), 1e-5 relative to each array's largest value."""
+    data, fsdp, ep, tensor = mesh_shape
     m, _, params = _tiny(scan=True)
     m = m.copy_and_resolve_references()
-    m.moe.update(capacity_factor=0.5, dispatch="sort")  # drops; params do not depend on either
-    graphdef, state = model.abstract(m)
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (4, 24))
+    m.moe.capacity_factor = 0.5  # drops, so dropping the same assignments is tested
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (8, 24))
+    params = _noisy(params, 4, scale=0.05)
 
-    def fwd(p, t):
-        return model.bind(graphdef, p).forward(t)[::2]
+    def loss_fn(dispatch):
+        m.moe.dispatch = dispatch
+        graphdef, state = model.abstract(m)
 
-    h1, aux1 = jax.jit(fwd)(params, tokens)
+        def loss(p, t):
+            h, _, aux = model.bind(graphdef, p).forward(t)
+            return jnp.mean(jnp.square(h)) + moe.load_balancing_loss(aux, 8), aux
+
+        return graphdef, state, jax.value_and_grad(loss, has_aux=True)
+
+    _, _, ref_fn = loss_fn("sort")
+    (l1, aux1), g1 = jax.jit(ref_fn)(params, tokens)
     assert float(aux1["moe_dropped"]) > 0
-    mesh = sharding.make_mesh(2, 2, 2)
+    _, state, fn = loss_fn("grouped")
+    mesh = sharding.make_mesh(data, fsdp, tensor, expert=ep)
     shardings = sharding.named_shardings(logical_axes(state), mesh)
     with sharding.activation_rules(mesh):
-        h2, aux2 = jax.jit(fwd)(jax.device_put(params, shardings), tokens)  # fresh trace
-    np.testing.assert_allclose(np.asarray(h1), np.asarray(h2), rtol=0, atol=1e-5)
+        (l2, aux2), g2 = jax.jit(fn)(jax.device_put(params, shardings), tokens)
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
     for k in moe.AUX_KEYS:
-        np.testing.assert_allclose(np.asarray(aux1[k]), np.asarray(aux2[k]), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(aux2[k]), np.asarray(aux1[k]), rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(g1)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1.0, np.abs(b).max()), err_msg=str(path))
+
+
+def test_expert_weights_never_gathered_across_the_expert_axis():
+    """The compiled gradient on a (1, 2, 4, 1) mesh moves tokens by all-to-all and gathers
+    expert weights only over fsdp: no all-gather's result holds all 8 experts of a weight
+    (E=8 beside d=64 or f=96), where replicated experts gathered every one."""
+    import re
+
+    m, _, params = _tiny(scan=True)
+    m = m.copy_and_resolve_references()
+    m.moe.dispatch = "grouped"
+    graphdef, state = model.abstract(m)
+    mesh = sharding.make_mesh(1, 2, 1, expert=4)
+    shardings = sharding.named_shardings(logical_axes(state), mesh)
+
+    def loss(p, t):
+        return jnp.mean(jnp.square(model.bind(graphdef, p).forward(t)[0]))
+
+    tokens = jnp.zeros((8, 24), jnp.int32)
+    with sharding.activation_rules(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(jax.device_put(params, shardings), tokens).compile().as_text()
+    gathers = [ln for ln in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", ln)]
+    whole = [ln for ln in gathers if re.search(r"\[(\d+,)*8,(64|96)[,\]]", ln.split("=")[1].split(" all-gather")[0])]
+    assert not whole, whole[:3]
+    assert any(" all-to-all(" in ln for ln in hlo.splitlines())

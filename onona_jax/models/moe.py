@@ -18,9 +18,16 @@ choice rank the earlier token first; i.e. assignments are ranked by (choice j, p
 and expert e keeps its first C. A dropped assignment contributes zero, so a token that
 loses all k choices gets y = 0 and passes through the residual unchanged.
 
-Two dispatch implementations with identical results (`moe.dispatch`): 'dense' (one-hot
-dispatch/combine tensors and einsums, GShard) and 'sort' (assignments stably sorted by
-expert, gathered into [E, C, d] buffers, gathered back).
+Dropless (capacity_factor = 0): C = T, every assignment kept, as HF Qwen3-MoE and MaxText's
+default; the grouped dispatch then computes exactly the routed work.
+
+Three dispatch implementations keeping the same assignments (`moe.dispatch`, equal to
+fp32 rounding): 'grouped' (the kept assignments sorted by expert through grouped matmuls,
+`jax.lax.ragged_dot`: no FLOP on an empty slot; with mesh.expert > 1, all-to-all to the
+experts' devices inside one shard_map), 'dense' (one-hot dispatch/combine tensors and
+einsums, GShard) and 'sort' (assignments stably sorted by expert, gathered into [E, C, d]
+buffers, gathered back). 'auto' (the default) is grouped on TPU/GPU and under expert
+parallelism, sort on CPU (`resolve_dispatch`).
 
 Statistics. `MoE.__call__` returns (y, aux); the trunk sums aux over layers, and
 `load_balancing_loss(aux, E, k)` then reproduces HF
@@ -37,13 +44,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from onona_jax.params import param
+from onona_jax import sharding
 from onona_jax.sharding import constrain
 
 AUX_KEYS = ("moe_assign", "moe_prob", "moe_tokens", "moe_dropped", "moe_layers")
 
 
 def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Expert capacity C for a group of `tokens` tokens (see the module docstring)."""
+    """Expert capacity C for a group of `tokens` tokens (see the module docstring);
+    capacity_factor 0 is dropless: C = tokens, all an expert can receive."""
+    if capacity_factor == 0:
+        return tokens
     return int(min(math.ceil(capacity_factor * tokens * top_k / n_experts), tokens))
 
 
@@ -66,14 +77,41 @@ def config_problems(cfg_model) -> list[str]:
     if mo.d_expert < 1:
         out.append(f"model.moe.d_expert={mo.d_expert} must be positive (each expert's FFN width)")
     for key in ("capacity_factor", "eval_capacity_factor"):
-        if not mo[key] > 0:
+        if not mo[key] >= 0:
             out.append(f"model.moe.{key}={mo[key]} must be positive (an expert's slots per token routed to it "
-                       "on average; 1.25 in training, 4.0 in evaluation by default)")
+                       "on average; 1.25 in training, 4.0 in evaluation by default) or 0 (dropless)")
     if not mo.aux_coef >= 0:
         out.append(f"model.moe.aux_coef={mo.aux_coef} must be zero (no load-balancing loss) or positive")
-    if mo.dispatch not in DISPATCH:
-        out.append(f"model.moe.dispatch {mo.dispatch!r}: one of {', '.join(DISPATCH)}")
+    if mo.dispatch not in ("auto", *DISPATCH):
+        out.append(f"model.moe.dispatch {mo.dispatch!r}: one of auto, {', '.join(DISPATCH)}")
     return out
+
+
+def resolve_dispatch(name: str) -> str:
+    """The dispatch `name` means under the active mesh: `auto` is grouped on TPU and GPU
+    (native grouped matmuls) and under expert parallelism, sort on CPU (whose ragged_dot
+    computes every group densely, ~4x slower: benchmarks/bench_moe.py). Only grouped moves
+    tokens to experts on other devices: sort or dense with mesh.expert > 1 is an error."""
+    ep = expert_parallelism()
+    if name == "auto":
+        from onona_jax.attention import platform
+
+        return "grouped" if ep > 1 or platform() != "cpu" else "sort"
+    if ep > 1 and name != "grouped":
+        raise ValueError(f"model.moe.dispatch={name!r} cannot run with mesh.expert={ep}: only the grouped "
+                         "dispatch sends tokens to experts on other devices; use model.moe.dispatch=grouped "
+                         "(or auto), or mesh.expert=1")
+    return name
+
+
+def expert_parallelism() -> int:
+    """How many ways the active mesh splits the experts (1 outside a mesh)."""
+    active = sharding.active()
+    if active is None:
+        return 1
+    mesh, rules = active
+    axes = sharding.logical_to_mesh(jax.sharding.PartitionSpec("expert"), rules)[0]
+    return 1 if axes is None else _mesh_size(mesh, axes)
 
 
 def aux_loss(stats: dict, cfg_model):
@@ -94,10 +132,22 @@ def route(x, router, top_k: int, renormalize: bool):
     """fp32 (logits [B,T,E], probs [B,T,E], top-k weights [B,T,k], top-k experts [B,T,k])."""
     logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    weights, experts = _top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return logits, probs, weights, experts
+
+
+def _top_k(probs, k: int):
+    """top_k over the experts on each device's rows of the batch (a shard_map under a mesh):
+    left to the partitioner, every row's router probabilities were gathered onto every device."""
+    fn = lambda p: tuple(jax.lax.top_k(p, k))  # noqa: E731
+    active = sharding.active()
+    if active is None or active[0].size == 1:
+        return fn(probs)
+    mesh, rules = active
+    rows = sharding.logical_to_mesh(jax.sharding.PartitionSpec("batch", None, None), rules)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(rows,), out_specs=(rows, rows))(probs)
 
 
 def priority_positions(experts, n_experts: int):
@@ -167,7 +217,114 @@ def dispatch_sort(x, weights, experts, C, gate, up, down):
     return jnp.sum(ya.reshape(B, k, T, d), axis=1)
 
 
-DISPATCH = {"dense": dispatch_dense, "sort": dispatch_sort}
+def _swiglu_grouped(rows, sizes, gate, up, down, tensor_axis):
+    """Grouped SwiGLU: `rows` [N, d] sorted by expert, the first sizes[e] of what is left
+    belonging to expert e (rows past Σ sizes are padding and come out zero); one
+    `ragged_dot` per weight, so no FLOP is spent on an empty capacity slot. f may be this
+    device's tensor shard: the down projection's partial sums add over `tensor_axis`."""
+    dt = rows.dtype
+    g = jax.lax.ragged_dot(rows, gate.astype(dt), sizes, preferred_element_type=jnp.float32)
+    u = jax.lax.ragged_dot(rows, up.astype(dt), sizes, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(dt)
+    out = jax.lax.ragged_dot(h, down.astype(dt), sizes, preferred_element_type=jnp.float32)
+    if tensor_axis is not None:
+        out = jax.lax.psum(out, tensor_axis)
+    return out.astype(dt)
+
+
+def _grouped_rows(rows, groups, n_groups, gate, up, down, tensor_axis):
+    """Expert outputs for `rows` [N, d] whose expert is groups[N] (n_groups: not kept):
+    sorted by expert, run grouped, put back in the rows' order (zero for the unkept)."""
+    order = jnp.argsort(groups, stable=True)
+    sizes = jnp.sum(jax.nn.one_hot(groups, n_groups, dtype=jnp.int32), axis=0)  # one_hot(n_groups) = 0
+    out = _swiglu_grouped(rows[order], sizes, gate, up, down, tensor_axis)
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+
+
+def _grouped_local(x, weights, experts, C, gate, up, down, expert_axis=None, ep=1, tensor_axis=None):
+    """One device's part of `dispatch_grouped`: x [B, T, d] its rows, gate/up/down its
+    experts (all E, or E/ep under `expert_axis` of size ep) with f its tensor shard, d whole."""
+    B, T, k = experts.shape
+    d = x.shape[-1]
+    E = gate.shape[0]  # experts on this device
+    ids, pos = priority_positions(experts, E * ep)
+    kept = pos < C  # [B, kT], a = j·T + t: the same assignments every dispatch keeps
+    w = jnp.swapaxes(weights, 1, 2).reshape(B, k * T)
+    if expert_axis is None:  # every expert here: group the kept assignments, no buffers
+        token = (jnp.arange(B)[:, None] * T + jnp.arange(k * T)[None, :] % T).reshape(-1)
+        groups = jnp.where(kept, ids, E).reshape(-1)
+        out = _grouped_rows(x.reshape(B * T, d)[token], groups, E, gate, up, down, tensor_axis)
+        ya = out.reshape(B, k * T, d) * w[..., None].astype(x.dtype)
+        return jnp.sum(ya.reshape(B, k, T, d), axis=1)
+    # Expert parallel: each row's kept assignments go to capacity buffers [B, E_all, C, d]
+    # (the sort dispatch's layout), an all-to-all sends expert e's buffers to the device that
+    # holds it, the experts run grouped over the slots that are filled, and a second
+    # all-to-all brings the outputs back.
+    xe, valid, slot = _capacity_buffers(x, ids, kept, pos, E * ep, C)
+    xe = jax.lax.all_to_all(xe, expert_axis, 1, 0, tiled=True)  # [ep·B, E, C, d]: this device's experts
+    valid = jax.lax.all_to_all(valid, expert_axis, 1, 0, tiled=True)
+    expert = jnp.broadcast_to(jnp.arange(E)[None, :, None], valid.shape)
+    groups = jnp.where(valid, expert, E).reshape(-1)
+    out = _grouped_rows(xe.reshape(-1, d), groups, E, gate, up, down, tensor_axis).reshape(xe.shape)
+    out = jax.lax.all_to_all(out, expert_axis, 0, 1, tiled=True).reshape(B, E * ep * C, d)
+    out_pad = jnp.concatenate([out, jnp.zeros((B, 1, d), out.dtype)], axis=1)
+    ya = jnp.take_along_axis(out_pad, slot[..., None], axis=1) * w[..., None].astype(x.dtype)
+    return jnp.sum(ya.reshape(B, k, T, d), axis=1)
+
+
+def _capacity_buffers(x, ids, kept, pos, E, C):
+    """(xe [B, E, C, d], valid [B, E, C], slot [B, kT]): assignment a of row b sits in slot
+    (ids, pos) of its expert's buffer when kept; `slot` is its flat index ids·C + pos, or
+    E·C (a zero row) when dropped."""
+    B, T, d = x.shape
+    kT = ids.shape[1]
+    slot = jnp.where(kept, ids * C + pos, E * C)
+    token = jnp.arange(kT) % T
+    # Each kept slot is written once; the extra slot E·C takes the dropped and is cut off.
+    src = jnp.full((B, E * C + 1), T, jnp.int32).at[jnp.arange(B)[:, None], slot].set(token[None, :])
+    src = src[:, :-1]
+    valid = (src < T).reshape(B, E, C)
+    x_pad = jnp.concatenate([x, jnp.zeros((B, 1, d), x.dtype)], axis=1)
+    xe = jnp.take_along_axis(x_pad, src[..., None], axis=1).reshape(B, E, C, d)
+    return xe, valid, slot
+
+
+def dispatch_grouped(x, weights, experts, C, gate, up, down):
+    """Grouped matmuls (`jax.lax.ragged_dot`) over the kept assignments sorted by expert:
+    the same assignments as the other dispatches are kept (per-row capacity, the same
+    priority), but no FLOP goes to an empty slot. Under a mesh it runs as one `shard_map`:
+    each device groups its own rows; with mesh.expert > 1 tokens reach the device holding
+    their expert by all-to-all and come back, so expert weights are never gathered across
+    the expert axis (only their d dimension over fsdp, as FSDP gathers any weight)."""
+    active = sharding.active()
+    if active is None or active[0].size == 1:
+        return _grouped_local(x, weights, experts, C, gate, up, down)
+    mesh, rules = active
+    P = jax.sharding.PartitionSpec
+    spec = lambda *names: sharding.logical_to_mesh(P(*names), rules)  # noqa: E731
+    w_in, w_out = spec("expert", "embed", "mlp"), spec("expert", "mlp", "embed")
+    rows = spec("batch", None, None)
+    ep = 1 if w_in[0] is None else _mesh_size(mesh, w_in[0])
+    expert_axis = w_in[0] if ep > 1 else None
+    tensor_axis = w_in[2]  # (a psum over one device is free, and tells shard_map y is whole)
+    fsdp_axes = w_in[1]
+
+    def local(x, weights, experts, gate, up, down):
+        if fsdp_axes is not None:  # FSDP: this layer's experts whole in d, as any gathered weight
+            gate = jax.lax.all_gather(gate, fsdp_axes, axis=1, tiled=True)
+            up = jax.lax.all_gather(up, fsdp_axes, axis=1, tiled=True)
+            down = jax.lax.all_gather(down, fsdp_axes, axis=2, tiled=True)
+        return _grouped_local(x, weights, experts, C, gate, up, down, expert_axis, ep, tensor_axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out),
+                         out_specs=rows)(x, weights, experts, gate, up, down)
+
+
+def _mesh_size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+DISPATCH = {"grouped": dispatch_grouped, "dense": dispatch_dense, "sort": dispatch_sort}
 
 
 # ----------------------------------------------------------------------------- module
@@ -186,8 +343,8 @@ class MoE(nnx.Module):
         self.n_experts, self.top_k = E, mo.top_k
         self.renormalize, self.capacity_factor = bool(mo.renormalize), float(mo.capacity_factor)
         self.dispatch = mo.dispatch
-        if self.dispatch not in DISPATCH:
-            raise ValueError(f"model.moe.dispatch {self.dispatch!r}: dense or sort")
+        if self.dispatch not in ("auto", *DISPATCH):
+            raise ValueError(f"model.moe.dispatch {self.dispatch!r}: one of auto, {', '.join(DISPATCH)}")
 
     def __call__(self, x):
         """x: [B, T, d] -> (y [B, T, d] in x.dtype, aux dict of fp32 statistics)."""
@@ -195,7 +352,8 @@ class MoE(nnx.Module):
         E, k = self.n_experts, self.top_k
         _, probs, weights, experts = route(x, self.router[...], k, self.renormalize)
         C = capacity(T, E, k, self.capacity_factor)
-        y = DISPATCH[self.dispatch](x, weights, experts, C, self.gate[...], self.up[...], self.down[...])
+        y = DISPATCH[resolve_dispatch(self.dispatch)](x, weights, experts, C, self.gate[...], self.up[...],
+                                                      self.down[...])
         # Statistics are not differentiated except moe_prob (the loss's gradient path, as HF).
         counts = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(0, 1, 2)))
         _, pos = priority_positions(jax.lax.stop_gradient(experts), E)

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from onona_jax import heads as heads_lib
-from onona_jax import sharding
 from onona_jax.checkpoint import restore_params
 
 
@@ -27,8 +26,7 @@ def upcycle(run, state, source: str):
             f"init_from={source}: upcycling copies a standard checkpoint's table into A and B; "
             f"head {head!r} has no A and B to fill (heads that upcycle: {', '.join(takes)})"
         )
-    mesh = tuple(run.mesh.shape[a] for a in sharding.MESH_AXES)
-    src, step, src_cfg, _ = restore_params(source, mesh=mesh, devices=list(run.mesh.devices.flat))
+    src, step, src_cfg, _ = restore_params(source, mesh=run.mesh)
     params = state["params"]
     if src_cfg.model.head != "standard":
         raise ValueError(
