@@ -80,12 +80,14 @@ PAPER_142M_TWIN_TOKENS_PER_S = 422_000  # 2×H100 (SPEC §6)
 OVERRIDES: dict = {}  # --config.<key>=value overrides, applied to every config (e.g. model.attention_impl)
 
 
-def make_config(size, head, loss="fused", chunk=None, batch=None, seq=None, scan=True, remat=None, token_tile=None):
-    """The paper's Dense config on one device, one micro-batch of `batch` × `seq` a step."""
-    cfg = config_lib.load(f"{CONFIGS}:dense-{size}-{head}")
+def make_config(size, head, loss="fused", chunk=None, batch=None, seq=None, scan=True, remat=None, token_tile=None,
+                arch="dense"):
+    """The paper's config of `arch` (Dense by default) on one device, one micro-batch of
+    `batch` × `seq` a step."""
+    cfg = config_lib.load(f"{CONFIGS}:{arch}-{size}-{head}")
     if OVERRIDES:
         cfg.update_from_flattened_dict(OVERRIDES)
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = 1, 1, 1, 1
     cfg.model.loss = loss
     if chunk:
         cfg.model.loss_chunk = int(chunk)

@@ -6,6 +6,8 @@ steps at the paper's micro-batch (16 × 1,024, bf16, one device) with
   GPU in bf16),
 * the vocabulary-tiled fused_vocab loss (loss_vocab.py) at two vocabulary chunks,
 * the plain loss,
+* the other families' switches (twin, fused loss): MoE 142M with the sort and the grouped
+  (ragged_dot) dispatch, Gated DeltaNet 142M at gdn_precision highest and default,
 
 each: tokens/s, model TFLOP/s and MFU (summary.flops_per_token: causal attention at half the
 T × T square, no recompute; PaLM's full-square MFU beside it; against
@@ -56,6 +58,27 @@ def variants():
     return out
 
 
+# The other families' step-time switches (issue 26), twin head, fused loss, XLA attention:
+# (name, arch, config overrides). Pairs of one model computed two ways.
+FAMILY_VARIANTS = (
+    ("moe:sort", "moe", {"model.moe.dispatch": "sort"}),
+    ("moe:grouped", "moe", {"model.moe.dispatch": "grouped"}),
+    ("gdn:highest", "gdn", {"model.gdn_precision": "highest"}),
+    ("gdn:default", "gdn", {"model.gdn_precision": "default"}),
+)
+
+
+def plan():
+    """(key, head, variant kwargs) in run order: the fused losses first (both heads), then the
+    families, then the vocabulary-tiled and plain losses, so a budget cut loses the least asked."""
+    dense = [(f"{h}/{name}", h, dict(loss=loss, chunk=chunk, attention=attention))
+             for h in HEADS for name, loss, chunk, attention in variants()]
+    first = [d for d in dense if d[2]["loss"] == "fused"]
+    families = [(f"twin/{name}", "twin", dict(loss="fused", chunk=None, attention="xla", arch=arch, overrides=o))
+                for name, arch, o in FAMILY_VARIANTS]
+    return first + families + [d for d in dense if d[2]["loss"] != "fused"]
+
+
 def peak_allocated():
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -64,11 +87,12 @@ def peak_allocated():
 DRY_RUN_STEPPED = ("twin/fused+xla",)
 
 
-def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, config_only=False):
-    overrides = {"model.attention_impl": attention} if attention else {}
+def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, config_only=False, arch="dense",
+                overrides=None):
     bench.OVERRIDES.clear()
-    bench.OVERRIDES.update(overrides)
-    cfg = bench.make_config(size, head, loss, chunk, batch, seq)
+    bench.OVERRIDES.update({"model.attention_impl": attention} if attention else {})
+    bench.OVERRIDES.update(overrides or {})
+    cfg = bench.make_config(size, head, loss, chunk, batch, seq, arch=arch)
     if attention == "cudnn" and jax.default_backend() != "gpu":
         return {"status": f"skipped (cuDNN attention needs a GPU; backend {jax.default_backend()})"}
     if config_only:
@@ -106,7 +130,7 @@ def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, c
 def markdown(res) -> str:
     m = res["machine"]
     lines = [f"# device check, {res['date']}", "",
-             f"{m['device']} ({m['backend']}), jax {m['jax']}; {res['size']} Dense, micro-batch "
+             f"{m['device']} ({m['backend']}), jax {m['jax']}; {res['size']} Dense (and MoE, GDN rows), micro-batch "
              f"{res['batch']} × {res['seq_len']}, {res['steps']} timed steps after 2 warm-up"
              + (" — DRY RUN (tiny shapes)" if res["dry_run"] else ""), "",
              "| head | variant | tokens/s | MFU (causal) | MFU (full square) | median step ms | XLA peak GiB | XLA temp GiB | allocator peak GiB | compile s |",
@@ -166,18 +190,16 @@ def _main(args, rest, argv):
     from onona_jax.data import pipeline
 
     tokens = np.asarray(next(pipeline.train_batches(bench.prepared_data(seq), seq, batch)))
-    for head in HEADS:
-        for name, loss, chunk, attention in variants():
-            key = f"{head}/{name}"
-            if time.perf_counter() - t_start > args.budget_s:
-                res["train"][key] = {"status": f"skipped (time budget {args.budget_s:.0f} s spent)"}
-            else:
-                config_only = args.dry_run and not args.dry_run_all and key not in DRY_RUN_STEPPED
-                res["train"][key] = run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens,
-                                                config_only)
-            r = res["train"][key]
-            log(f"  {key}: " + (f"{r['tokens_per_s']:,.0f} tokens/s" if r["status"] == "measured" else r["status"]))
-            write(res, args.out_dir)
+    for key, head, kwargs in plan():
+        if time.perf_counter() - t_start > args.budget_s:
+            res["train"][key] = {"status": f"skipped (time budget {args.budget_s:.0f} s spent)"}
+        else:
+            config_only = args.dry_run and not args.dry_run_all and key not in DRY_RUN_STEPPED
+            res["train"][key] = run_variant(size, head, batch=batch, seq=seq, steps=steps, tokens=tokens,
+                                            config_only=config_only, **kwargs)
+        r = res["train"][key]
+        log(f"  {key}: " + (f"{r['tokens_per_s']:,.0f} tokens/s" if r["status"] == "measured" else r["status"]))
+        write(res, args.out_dir)
     bench.OVERRIDES.clear()
     if time.perf_counter() - t_start > args.budget_s:
         res["decode"] = {"status": f"skipped (time budget {args.budget_s:.0f} s spent)"}

@@ -150,7 +150,7 @@ def jax_config(spec: str, overrides: dict, head: str):
     if overrides:
         cfg.update_from_flattened_dict(overrides)
     cfg.model.head = head
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = 1, 1, 1, 1
     cfg.train.micro_batch = cfg.train.global_batch
     return config_lib.validate(cfg)
 

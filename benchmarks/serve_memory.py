@@ -49,7 +49,7 @@ def write_checkpoint(cfg, workdir: str) -> int:
     from onona_jax import train
     from onona_jax.checkpoint import Checkpoints
 
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = 1, 1, 1, 1
     run = train.setup(cfg, jax.devices()[:1])
     state = train.init_state(run, cfg.seed)
     ckpts = Checkpoints(os.path.join(workdir, "checkpoints"))

@@ -223,10 +223,10 @@ def _swiglu_grouped(rows, sizes, gate, up, down, tensor_axis):
     `ragged_dot` per weight, so no FLOP is spent on an empty capacity slot. f may be this
     device's tensor shard: the down projection's partial sums add over `tensor_axis`."""
     dt = rows.dtype
-    g = jax.lax.ragged_dot(rows, gate.astype(dt), sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(rows, up.astype(dt), sizes, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(dt)
-    out = jax.lax.ragged_dot(h, down.astype(dt), sizes, preferred_element_type=jnp.float32)
+    g = jax.lax.ragged_dot(rows, gate.astype(dt), sizes)  # in the compute dtype, as the MLP's
+    u = jax.lax.ragged_dot(rows, up.astype(dt), sizes)
+    # fp32 partial sums: a tensor shard's share is added to the others' before rounding.
+    out = jax.lax.ragged_dot(jax.nn.silu(g) * u, down.astype(dt), sizes, preferred_element_type=jnp.float32)
     if tensor_axis is not None:
         out = jax.lax.psum(out, tensor_axis)
     return out.astype(dt)
@@ -295,7 +295,7 @@ def dispatch_grouped(x, weights, experts, C, gate, up, down):
     priority), but no FLOP goes to an empty slot. Under a mesh it runs as one `shard_map`:
     each device groups its own rows; with mesh.expert > 1 tokens reach the device holding
     their expert by all-to-all and come back, so expert weights are never gathered across
-    the expert axis (only their d dimension over fsdp, as FSDP gathers any weight)."""
+    the expert axis (only over fsdp, as FSDP gathers any weight)."""
     active = sharding.active()
     if active is None or active[0].size == 1:
         return _grouped_local(x, weights, experts, C, gate, up, down)
@@ -307,17 +307,16 @@ def dispatch_grouped(x, weights, experts, C, gate, up, down):
     ep = 1 if w_in[0] is None else _mesh_size(mesh, w_in[0])
     expert_axis = w_in[0] if ep > 1 else None
     tensor_axis = w_in[2]  # (a psum over one device is free, and tells shard_map y is whole)
-    fsdp_axes = w_in[1]
+    # The weights enter whole in d: the partitioner gathers them over fsdp in the compute
+    # dtype (and reduce-scatters their gradients) exactly as it does any FSDP weight.
+    w_in, w_out = P(w_in[0], None, w_in[2]), P(w_out[0], w_out[1], None)
+    dt = x.dtype
 
     def local(x, weights, experts, gate, up, down):
-        if fsdp_axes is not None:  # FSDP: this layer's experts whole in d, as any gathered weight
-            gate = jax.lax.all_gather(gate, fsdp_axes, axis=1, tiled=True)
-            up = jax.lax.all_gather(up, fsdp_axes, axis=1, tiled=True)
-            down = jax.lax.all_gather(down, fsdp_axes, axis=2, tiled=True)
         return _grouped_local(x, weights, experts, C, gate, up, down, expert_axis, ep, tensor_axis)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out),
-                         out_specs=rows)(x, weights, experts, gate, up, down)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out), out_specs=rows)(
+        x, weights, experts, gate.astype(dt), up.astype(dt), down.astype(dt))
 
 
 def _mesh_size(mesh, axes) -> int:
