@@ -233,6 +233,7 @@ _CHANNEL = re.compile(r"channel_id=(\d+)")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_ORIGIN = re.compile(r'op_name="([^"]*)"(?:\s*stack_frame_id=(\d+))?')
 _CONSTANT = re.compile(r"[su]32\[\]\S* constant\((\d+)\)")
 
 
@@ -340,7 +341,11 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
             if kind == "reduce-scatter":
                 nbytes *= _group_size(line, n_devices)
             channel = _CHANNEL.search(line)
-            key = ("channel", channel.group(1)) if channel else (name, i)
+            # shard_map's collectives may all carry channel_id=1 on XLA:TPU: the op's source
+            # (op_name, stack frame) and size tell distinct ops apart; an async op's copies share them.
+            origin = _ORIGIN.search(line)
+            key = (("channel", channel.group(1), kind, nbytes, origin.groups() if origin else None)
+                   if channel else (name, i))
             old = counted.get(key)
             if old is None or times[name] < old[1]:
                 counted[key] = (kind, times[name], nbytes)
@@ -349,7 +354,8 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
         out[kind] += n * nbytes
     if details is not None:  # the biggest contributors, for reading where traffic comes from
         for key, (kind, n, nbytes) in sorted(counted.items(), key=lambda kv: -kv[1][1] * kv[1][2]):
-            details.append({"kind": kind, "id": key[1], "executions": n, "bytes": nbytes})
+            details.append({"kind": kind, "id": key[1], "executions": n, "bytes": nbytes,
+                            **({"origin": key[4][0][-120:]} if key[0] == "channel" and key[4] else {})})
     return out
 
 
@@ -560,7 +566,8 @@ def _analyse(compiled, seconds: float, hbm: int, n_devices: int, cfg) -> dict:
 
 def _describe(d: dict, hlo: str) -> dict:
     """A collective's result shape and the jax op it came from (its metadata op_name)."""
-    line = next((l for l in hlo.splitlines() if f"channel_id={d['id']}," in l and d["kind"] in l), "")
+    origin = d.get("origin", "")
+    line = next((l for l in hlo.splitlines() if f"channel_id={d['id']}," in l and d["kind"] in l and origin in l), "")
     m = _OP.search(line)
     shapes = ["%s[%s]" % x for x in _SHAPE.findall(m.group(1))] if m else []
     op = re.search(r'op_name="([^"]*)"', line)

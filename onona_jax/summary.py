@@ -115,8 +115,9 @@ def flops_per_token(cfg_model, seq_len: int, causal: bool = True) -> dict[str, f
 
     * `body_matmul`: 2 FLOPs per weight of `matmul_weights` (attention and GDN projections,
       SwiGLU, the MoE router and the ACTIVE experts — top_k/E of them: the model's work, not
-      the E·C capacity slots a capacity-based dispatch computes, which is capacity_factor ×
-      the active expert FLOPs when every slot is filled — GDN's depthwise conv as 2·K per
+      the E·C capacity slots the sort and dense dispatches compute, which is capacity_factor ×
+      the active expert FLOPs when every slot is filled (the grouped dispatch computes the kept
+      assignments only, at most the active FLOPs) — GDN's depthwise conv as 2·K per
       channel, the mos/moss context projections K·d² and prior d·K).
     * `head`: 2·V·d per output projection — 2 for twin / twin_output_only, K for mos / moss
       (each component through the tied table), 1 otherwise — plus 2·d for a gate's dot.

@@ -258,6 +258,45 @@ def test_collective_bytes_reads_loops_async_pairs_and_reduce_scatter():
     }
 
 
+SHARD_MAP_HLO = """
+HloModule m
+
+%body (p: (s32[], f32[8,640])) -> (s32[], f32[8,640]) {
+  %p = (s32[], f32[8,640]) parameter(0)
+  %x = f32[8,640] get-tuple-element(%p), index=1
+  %to = f32[8,640]{1,0} all-to-all(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="jit(step)/shard_map/all_to_all" stack_frame_id=7}
+  %back = f32[8,640]{1,0} all-to-all(%to), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="jit(step)/shard_map/all_to_all" stack_frame_id=9}
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,640]) tuple(%i, %back)
+}
+
+%cond (p: (s32[], f32[8,640])) -> pred[] {
+  %p = (s32[], f32[8,640]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,640]) -> f32[8,640] {
+  %a = f32[8,640] parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[8,640]) tuple(%z, %a)
+  %w = (s32[], f32[8,640]) while(%t), condition=%cond, body=%body
+  %ar = f32[8,640]{1,0} all-reduce(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="jit(step)/shard_map/psum" stack_frame_id=3}
+  ROOT %r = f32[8,640] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_collective_bytes_tells_apart_shard_map_ops_that_share_a_channel_id():
+    """XLA:TPU may give every collective of a shard_map channel_id=1 (an expert-parallel MoE's
+    dispatch and combine all-to-alls, the fused loss's psum): each distinct op counts, by its
+    source; keyed by channel id alone, all but one vanished from the report."""
+    out = aot.collective_bytes(SHARD_MAP_HLO, n_devices=8)
+    assert out["all-to-all"] == 4 * 2 * 8 * 640 * 4  # 4 layers × (dispatch + combine)
+    assert out["all-reduce"] == 8 * 640 * 4
+
+
 def test_resource_exhausted_message_gives_needed_and_available():
     msg = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
            "HLO temporaries (33.57G) exceeds available HBM (15.75G)")

@@ -69,37 +69,44 @@ def test_tiny_family_learns(tiny_data, arch, head):
     assert_falls(losses, margin=2.0)
 
 
+FSDP = ("fsdp", "expert")  # outside the experts the expert axis shards like fsdp (sharding.RULES)
+
+
 @pytest.mark.parametrize(
-    "mesh", [(2, 2, 2), pytest.param((1, 2, 4), marks=pytest.mark.slow)], ids=["222", "124"]
+    "mesh", [(2, 2, 2), pytest.param((1, 2, 4), marks=pytest.mark.slow), (1, 1, 2, 4)], ids=["222", "124", "ep4"]
 )
 @pytest.mark.parametrize("arch", ["dense", "moe", pytest.param("gdn", marks=pytest.mark.slow), "attnres"])
 def test_sharded_equals_single_device(tiny_data, arch, mesh):
     """Twin head, 3 steps on 8 fake devices as (data, fsdp, tensor) = (2, 2, 2) — and, marked
-    slow to keep this file's default run short, (1, 2, 4) — give the one-device losses.
-    Heads 8, KV 4, GDN heads 4, FFN 192 and MoE expert width 96 all divide tensor = 4; MoE
-    experts are replicated (sharding.RULES), so E need not. (Dense on (1, 2, 4) and more
-    meshes: tests/test_train.py::test_equal_losses_across_meshes.)
+    slow to keep this file's default run short, (1, 2, 4) — give the one-device losses; MoE
+    also with its 8 experts over a 4-way expert axis (tensor 2 × expert 4: the grouped dispatch's
+    all-to-all). Heads 8, KV 4, GDN heads 4, FFN 192 and MoE expert width 96 all divide
+    tensor = 4. (Dense on (1, 2, 4) and more meshes:
+    tests/test_train.py::test_equal_losses_across_meshes.)
 
     The sharded run starts from the one-device run's initial state placed on the mesh (a
     sharded init gives the same values, being keyed by path: test_train.py); this saves
     compiling the initialisation again."""
+    if len(mesh) == 4 and arch != "moe":
+        pytest.skip("expert parallelism is MoE's")
     ref, initial = single_device_run(tiny_data, arch, "twin")
     cfg = family_config(tiny_data, arch, "twin")
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh[:3]
+    cfg.mesh.expert = mesh[3] if len(mesh) == 4 else 1
     losses, state, _ = run_steps(cfg, 3, init=initial)
     ref = ref[:3]
     np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{arch} {mesh}")
     # The family's own parameters are sharded as the rules say (leading axis: layers).
     layers = state["params"]["trunk"]["layers"]
     if arch == "moe":
-        assert layers["moe"]["gate"].sharding.spec == P(None, None, "fsdp", "tensor")
-        assert layers["moe"]["down"].sharding.spec == P(None, None, "tensor", "fsdp")
+        assert layers["moe"]["gate"].sharding.spec == P(None, "expert", "fsdp", "tensor")
+        assert layers["moe"]["down"].sharding.spec == P(None, "expert", "tensor", "fsdp")
     elif arch == "gdn":  # a scanned group of 3 GDN + 1 attention blocks: layers/<j>/...
-        assert layers[0]["gdn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
-        assert layers[0]["gdn"]["a"].sharding.spec == P(None, "fsdp", "tensor")
-        assert layers[3]["attn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+        assert layers[0]["gdn"]["q"].sharding.spec == P(None, FSDP, "tensor", None)
+        assert layers[0]["gdn"]["a"].sharding.spec == P(None, FSDP, "tensor")
+        assert layers[3]["attn"]["q"].sharding.spec == P(None, FSDP, "tensor", None)
     else:
-        assert layers["attn"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+        assert layers["attn"]["q"].sharding.spec == P(None, FSDP, "tensor", None)
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,10 @@ def test_equal_losses_across_meshes(tiny_data):
         results[mesh] = losses
         if mesh == (1, 2, 4):  # parameters are sharded as the rules say
             p = state["params"]
-            assert p["head"]["A"].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
-            assert p["trunk"]["layers"]["attn"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-            assert p["trunk"]["layers"]["mlp"]["down"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor", "fsdp")
+            fsdp = ("fsdp", "expert")  # the expert axis shards non-expert weights like fsdp
+            assert p["head"]["A"].sharding.spec == jax.sharding.PartitionSpec("tensor", fsdp)
+            assert p["trunk"]["layers"]["attn"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, fsdp, "tensor", None)
+            assert p["trunk"]["layers"]["mlp"]["down"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor", fsdp)
             assert p["trunk"]["final_norm"]["weight"].sharding.spec == jax.sharding.PartitionSpec(None)
             shard = p["head"]["A"].addressable_shards[0].data.shape
             assert shard == (50304 // 4, 64 // 2)
