@@ -7,7 +7,7 @@ steps at the paper's micro-batch (16 × 1,024, bf16, one device) with
 * the vocabulary-tiled fused_vocab loss (loss_vocab.py) at two vocabulary chunks,
 * the plain loss,
 * the other families' switches (twin, fused loss): MoE 142M with the sort and the grouped
-  (ragged_dot) dispatch, Gated DeltaNet 142M at gdn_precision highest and default,
+  (ragged_dot) dispatch, Gated DeltaNet 142M at model.gdn.precision highest and default,
 
 each: tokens/s, model TFLOP/s and MFU (summary.flops_per_token: causal attention at half the
 T × T square, no recompute; PaLM's full-square MFU beside it; against
@@ -63,8 +63,8 @@ def variants():
 FAMILY_VARIANTS = (
     ("moe:sort", "moe", {"model.moe.dispatch": "sort"}),
     ("moe:grouped", "moe", {"model.moe.dispatch": "grouped"}),
-    ("gdn:highest", "gdn", {"model.gdn_precision": "highest"}),
-    ("gdn:default", "gdn", {"model.gdn_precision": "default"}),
+    ("gdn:highest", "gdn", {"model.gdn.precision": "highest"}),
+    ("gdn:default", "gdn", {"model.gdn.precision": "default"}),
 )
 
 

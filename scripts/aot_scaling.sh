@@ -33,6 +33,9 @@ for row in $rows; do
     # 16 and 8 exceed a replica's rows there, so --fit starts from the whole replica batch.
     dense-330m) aot dense-330m-v5p-64 --config=configs/paper.py:dense-330m-twin --topology=v5p-64 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     dense-1b) aot dense-1b-v5p-256 --config=configs/paper.py:dense-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
+    # expert parallelism (issue 26): 8 experts over an 8-way expert axis, the rest FSDP; grouped dispatch
+    moe-142m-ep8) aot moe-142m-ep8-v5e-16 --config=configs/paper.py:moe-142m-twin --topology=v5e-16 --config.mesh.data=1 --config.mesh.fsdp=2 --config.mesh.expert=8 --config.mesh.tensor=1 --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
+    moe-1b-ep8) aot moe-1b-ep8-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 --config.mesh.data=1 --config.mesh.fsdp=16 --config.mesh.expert=8 --config.mesh.tensor=1 --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
     moe-1b) aot moe-1b-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     # one 8-GPU H100 host, the README's recipe (pure data parallel, micro-batch 16 × 2); needs the gpu-aot extra
     # (gpu-aot extra with the cuDNN wheel: auto = cuDNN's fused attention; -xla: XLA's, for comparison)

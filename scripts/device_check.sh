@@ -2,7 +2,7 @@
 # One prepared accelerator run, at most ~8 minutes on one H200 (see benchmarks/device_check.py):
 # 142M Dense standard and twin at 16 x 1,024 tokens, bf16: tokens/s, MFU and peak device memory
 # with the fused loss (XLA and cuDNN attention), the vocabulary-tiled fused_vocab loss at two
-# chunks and the plain loss; MoE 142M's sort vs grouped dispatch and GDN 142M at gdn_precision
+# chunks and the plain loss; MoE 142M's sort vs grouped dispatch and GDN 142M at model.gdn.precision
 # highest vs default (twin); decode tokens/s, two- vs one-projection sampling. Writes
 # OUT_DIR/device_check.json and OUT_DIR/device_check.md.
 #
