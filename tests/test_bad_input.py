@@ -128,7 +128,7 @@ def test_shard_shorter_than_manifest(tiny_data, tmp_path):
 def test_mesh_size_does_not_match_devices(tiny_data, tmp_path):
     cfg = tiny_config(tiny_data, "standard")
     cfg.mesh.update(data=3, fsdp=1, tensor=1)
-    assert_rejected(cfg, tmp_path, "has 3 devices", "this run has 8", "--config.mesh.data/fsdp/tensor",
+    assert_rejected(cfg, tmp_path, "has 3 devices", "this run has 8", "--config.mesh.data/fsdp/expert/tensor",
                     "product is 8", "-1")
 
 
