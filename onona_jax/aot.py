@@ -2,7 +2,7 @@
 a config fit, and what does one step cost there?
 
     python -m onona_jax.aot --config=configs/paper.py:dense-142m-twin --topology=v5e-16 \\
-        --config.mesh.data=1 --config.mesh.fsdp=-1 [--compare_head=standard] [--fit] [--json]
+        --config.mesh.data=1 --config.mesh.fsdp=-1 [--slices=2] [--compare_head=standard] [--fit] [--json]
 
 With `libtpu` installed (`pip install -e '.[tpu-aot]'`), `jax.experimental.topologies` describes
 the devices of any TPU slice without owning one (with the PJRT CUDA plugin, `.[gpu-aot]`, and a
@@ -19,7 +19,10 @@ shardings, compiles them with the TPU compiler and reports, per device:
 * collective bytes per step by kind, read from the optimized HLO: each all-gather,
   reduce-scatter, all-reduce, all-to-all and collective-permute counts the larger of its
   input and output on one device, times the trip counts of the loops around it (the layer
-  scan, the micro-batch scan).
+  scan, the micro-batch scan). `--slices=N` compiles for N such slices joined by the
+  data-center network (mesh.slices: the data axis across slices, the rest within one), and
+  the bytes are also split by link (`collective_bytes_by_link`: within a slice over ICI,
+  across slices over DCN).
 
 * the attention kernel in the optimized HLO (`attention_kernels`: splash's Mosaic calls on
   TPU, cuDNN's fused attention on GPU, none for plain XLA), the `[..., T, T]` score matrices the
@@ -761,7 +764,9 @@ def modelled_time(report: dict, cfg, s: Slice) -> dict:
     recompute = recomputed_flops_per_token(cfg) * tokens / s.devices
     compute_s = (report["model_flops"] + recompute) / (chip.peak_tflops * 1e12 / per_device)
     memory_s = report.get("hbm_bytes", 0.0) / (chip.hbm_gbps * 1e9 / per_device)
-    comm_s = sum(report["collective_bytes"].values()) / (chip.link_gbps * 1e9)
+    # ICI only: a multi-slice job's cross-slice bytes go over DCN, which this model leaves out
+    within = report.get("collective_bytes_by_link", {}).get("within_slice", report["collective_bytes"])
+    comm_s = sum(within.values()) / (chip.link_gbps * 1e9)
     bound = max(compute_s, memory_s)
     return {"recomputed_flops": recompute, "compute_s": compute_s, "memory_s": memory_s, "comm_s": comm_s,
             "overlapped_s": max(bound, comm_s), "serial_s": bound + comm_s}
