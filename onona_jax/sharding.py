@@ -96,6 +96,14 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *, e
     return Mesh(grid, MESH_AXES)
 
 
+def device_slices(devices=None) -> int:
+    """How many slices (distinct slice_index) the devices span; 1 without slice_index. For
+    readers (evaluation, export) that take whatever devices they are given: their data axis
+    may span slices, as a training job's does."""
+    devices = jax.devices() if devices is None else devices
+    return max(1, len({getattr(d, "slice_index", None) for d in devices}))
+
+
 def _slice_groups(devices, slices: int) -> list[list]:
     """The devices grouped by slice (sorted by slice_index); one group when slices == 1."""
     if not isinstance(slices, int) or slices < 1:

@@ -41,6 +41,8 @@ def test_two_slices_put_only_the_data_axis_across_slices():
     assert dict(mesh.shape)["data"] == 4 and dict(mesh.shape)["fsdp"] == 8
     for fsdp_group in mesh.devices.reshape(4, 8):
         assert len({d.slice_index for d in fsdp_group}) == 1
+    # a reader (evaluation, export) takes the slices its devices span
+    assert sharding.device_slices(devices) == 2 and sharding.device_slices() == 1
     with pytest.raises(ValueError, match=r"mesh.slices=1 but these 32 devices span 2 slice\(s\).*mesh.slices=2"):
         sharding.make_mesh(1, -1, 1, devices)
     with pytest.raises(ValueError, match=r"has 32 devices but each slice has 16.*product is 16"):
