@@ -20,8 +20,8 @@ for row in $rows; do
     # the same compiles at --fit's choice, without the search (faster to rerun)
     dense-142m-at4) aot dense-142m-at4-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --compare_head=standard --config.train.micro_batch=4 --noeval_step ;;
     # two v5e-16 slices (mesh.slices=2: fsdp over each slice's 16 chips, data across the 2) at the
-    # v5e-16 row's plan (16 × 1, remat attention); compare with dense-142m-at16
-    dense-142m-2slices) aot dense-142m-2x-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 --slices=2 $FSDP --compare_head=standard --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
+    # v5e-16 row's remat (attention); 256 rows over 32 chips: 8 per chip, no accumulation
+    dense-142m-2slices) aot dense-142m-2x-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 --slices=2 $FSDP --compare_head=standard --config.train.micro_batch=8 --config.model.remat=attention --noeval_step ;;
     dense-142m-standard) aot dense-142m-standard-v5e-16 --config=configs/paper.py:dense-142m-standard --topology=v5e-16 $FSDP --fit --noeval_step ;;
     moe-142m|gdn-142m|attnres-142m)
       aot ${row}-v5e-16 --config=configs/paper.py:${row}-twin --topology=v5e-16 $FSDP --compare_head=standard \
