@@ -402,6 +402,15 @@ def test_unknown_slice_is_one_error_line_before_any_compile():
     assert "unknown --topology='v5e-17'; choose a slice name: v4-8" in r.stderr
 
 
+def test_bad_slices_are_one_error_line_before_any_compile():
+    r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=v5e-4", "--slices=2",
+             "--config.mesh.slices=3")
+    assert r.returncode == 2 and "--slices=2 and --config.mesh.slices=3 disagree" in r.stderr
+    r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=h100-8", "--slices=2")
+    assert r.returncode == 2 and "multi-slice compiles are for TPU slices" in r.stderr
+    assert len(_errors(r.stderr)) == 1
+
+
 @needs_libtpu
 @pytest.mark.slow
 def test_paper_142m_twin_fits_v5e_16_with_micro_batch_4():
