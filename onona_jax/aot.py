@@ -2,7 +2,7 @@
 a config fit, and what does one step cost there?
 
     python -m onona_jax.aot --config=configs/paper.py:dense-142m-twin --topology=v5e-16 \\
-        --config.mesh.data=1 --config.mesh.fsdp=-1 [--compare_head=standard] [--fit] [--json]
+        --config.mesh.data=1 --config.mesh.fsdp=-1 [--slices=2] [--compare_head=standard] [--fit] [--json]
 
 With `libtpu` installed (`pip install -e '.[tpu-aot]'`), `jax.experimental.topologies` describes
 the devices of any TPU slice without owning one (with the PJRT CUDA plugin, `.[gpu-aot]`, and a
@@ -19,7 +19,10 @@ shardings, compiles them with the TPU compiler and reports, per device:
 * collective bytes per step by kind, read from the optimized HLO: each all-gather,
   reduce-scatter, all-reduce, all-to-all and collective-permute counts the larger of its
   input and output on one device, times the trip counts of the loops around it (the layer
-  scan, the micro-batch scan).
+  scan, the micro-batch scan). `--slices=N` compiles for N such slices joined by the
+  data-center network (mesh.slices: the data axis across slices, the rest within one), and
+  the bytes are also split by link (`collective_bytes_by_link`: within a slice over ICI,
+  across slices over DCN).
 
 * the attention kernel in the optimized HLO (`attention_kernels`: splash's Mosaic calls on
   TPU, cuDNN's fused attention on GPU, none for plain XLA), the `[..., T, T]` score matrices the
@@ -109,7 +112,13 @@ class Slice:
     name: str  # what users call it: v5e-16, v5p-64, h100-16
     generation: str  # v4 | v5e | v5p | v6e | h100 | h200
     topology: str  # libtpu's topology string (v5e:4x4, v5p:2x4x4) or PJRT GPU's (1x2x8)
-    chips: int
+    chips: int  # per slice
+    slices: int = 1  # TPU slices joined by the data-center network (DCN): --slices
+
+    @property
+    def label(self) -> str:
+        """v5e-16, or 2 × v5e-16 for two slices."""
+        return self.name if self.slices == 1 else f"{self.slices} × {self.name}"
 
     @property
     def platform(self) -> str:
@@ -129,8 +138,13 @@ class Slice:
         return 2 if self.generation == "v4" else 1
 
     @property
-    def devices(self) -> int:
+    def slice_devices(self) -> int:
         return self.chips * self.devices_per_chip
+
+    @property
+    def devices(self) -> int:
+        """All slices' devices."""
+        return self.slice_devices * self.slices
 
     @property
     def hbm_per_device(self) -> int:
@@ -215,6 +229,8 @@ def topology_devices(s: Slice):
         target = _GPU_TARGET.format(**GPU_SPECS[s.generation])
         return list(topologies.get_topology_desc(platform="cuda", topology=s.topology, target_config=target).devices)
     kwargs = {"chips_per_host_bounds": (1, 1, 1)} if s.chips == 1 else {}  # a lone chip is its own host
+    if s.slices > 1:  # devices with a slice_index; XLA compiles one slice's program (see collective_bytes)
+        kwargs["num_slices"] = s.slices
     return list(topologies.get_topology_desc(platform="tpu", topology_name=s.topology, **kwargs).devices)
 
 
@@ -235,6 +251,11 @@ _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _ORIGIN = re.compile(r'op_name="([^"]*)"(?:\s*stack_frame_id=(\d+))?')
 _CONSTANT = re.compile(r"[su]32\[\]\S* constant\((\d+)\)")
+# A multi-slice program is one slice's: its collectives' replica groups stay within the slice,
+# and what crosses slices (DCN) is a host-transfer send to libtpu's megascale runtime, tagged
+# with the cross-slice collective it is part of.
+_MEGASCALE = re.compile(r'\ssend\(.*_xla_megascale_transfer_type="(\w+)"')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
 
 
 def _shape_bytes(text: str) -> list[int]:
@@ -310,9 +331,10 @@ def _executions(hlo: str):
     return bodies, times, order
 
 
-def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) -> dict[str, int]:
+def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None,
+                     by_link: dict | None = None, slices: int = 1) -> dict[str, int]:
     """Bytes per device per execution of the ENTRY computation, by collective kind, from
-    optimized HLO text.
+    optimized HLO text (within and across slices together).
 
     An all-gather counts its gathered result, a reduce-scatter its full input (result × group
     size), an all-reduce, all-to-all or collective-permute its buffer; each is multiplied by
@@ -320,11 +342,30 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
     fused loss's vocabulary chunks). XLA:TPU wraps asynchronous collectives in fusions that
     repeat the op (start, continuations, done) and may carry one through a later loop (the
     layer scan) to overlap it with compute: one channel id counts once, as often as the
-    least-repeated of its copies runs (where it is issued)."""
+    least-repeated of its copies runs (where it is issued).
+
+    A multi-slice program (`slices` > 1) is one slice's: its collectives stay within the slice
+    (ICI), and each cross-slice (DCN) collective is a send to the megascale runtime whose
+    buffer is this device's part (a hierarchical all-reduce sends the shard left by a
+    reduce-scatter within the slice); it counts by the same rules (an all-gather's result is
+    the sent part × slices). `by_link`, when given, receives {"within_slice": {kind: bytes},
+    "cross_slice": {kind: bytes}}."""
     bodies, times, order = _executions(hlo)
     counted: dict[tuple, tuple[str, int, int]] = {}
     for name in order:
         for i, line in enumerate(bodies[name]):
+            cross = _MEGASCALE.search(line)
+            if cross:
+                kind = cross.group(1).lower().replace("_", "-")
+                kind = {"one-to-one": "collective-permute"}.get(kind, kind)
+                nbytes = _shape_bytes(line[:line.index(" send(")])[0]
+                if kind == "all-gather":
+                    nbytes *= slices
+                rendezvous = _RENDEZVOUS.search(line)
+                key = ("dcn", rendezvous.group(1) if rendezvous else f"{name}:{i}")
+                if key not in counted or times[name] < counted[key][1]:
+                    counted[key] = (kind, times[name], nbytes)
+                continue
             m = _OP.search(line)
             if not m:
                 continue
@@ -350,11 +391,17 @@ def collective_bytes(hlo: str, n_devices: int = 1, details: list | None = None) 
             if old is None or times[name] < old[1]:
                 counted[key] = (kind, times[name], nbytes)
     out = dict.fromkeys(COLLECTIVES, 0)
-    for kind, n, nbytes in counted.values():
-        out[kind] += n * nbytes
+    links = {"within_slice": dict.fromkeys(COLLECTIVES, 0), "cross_slice": dict.fromkeys(COLLECTIVES, 0)}
+    for key, (kind, n, nbytes) in counted.items():
+        out[kind] = out.get(kind, 0) + n * nbytes
+        link = links["cross_slice" if key[0] == "dcn" else "within_slice"]
+        link[kind] = link.get(kind, 0) + n * nbytes
+    if by_link is not None:
+        by_link.update(links)
     if details is not None:  # the biggest contributors, for reading where traffic comes from
         for key, (kind, n, nbytes) in sorted(counted.items(), key=lambda kv: -kv[1][1] * kv[1][2]):
             details.append({"kind": kind, "id": key[1], "executions": n, "bytes": nbytes,
+                            "link": "cross_slice" if key[0] == "dcn" else "within_slice",
                             **({"origin": key[4][0][-120:]} if key[0] == "channel" and key[4] else {})})
     return out
 
@@ -539,6 +586,8 @@ def _compile(fn, *args):
 
 
 def _analyse(compiled, seconds: float, hbm: int, n_devices: int, cfg) -> dict:
+    """The report of one compiled step; `n_devices` counts all slices' devices (a multi-slice
+    program is one slice's: its replica groups number that slice's devices)."""
     mem = compiled.memory_analysis()
     args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     alias, temps = mem.alias_size_in_bytes, mem.temp_size_in_bytes
@@ -547,7 +596,9 @@ def _analyse(compiled, seconds: float, hbm: int, n_devices: int, cfg) -> dict:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     hlo = compiled.as_text()
     details: list = []
-    collectives = collective_bytes(hlo, n_devices, details)
+    slices = cfg.mesh.slices
+    by_link: dict = {}
+    collectives = collective_bytes(hlo, n_devices // slices, details, by_link, slices)
     return {
         "arguments": int(args), "temporaries": int(temps), "outputs": int(out - alias),
         "generated_code": int(mem.generated_code_size_in_bytes), "total": int(total),
@@ -557,6 +608,8 @@ def _analyse(compiled, seconds: float, hbm: int, n_devices: int, cfg) -> dict:
         "xla_flops": float(cost.get("flops", 0.0)) if cost else 0.0,
         "hbm_bytes": hbm_bytes(hlo),
         "collective_bytes": collectives,
+        # per device: over the slice's ICI, and over the data-center network between slices
+        "collective_bytes_by_link": by_link,
         "top_collectives": [_describe(d, hlo) for d in details[:8]],
         "attention_kernels": attention_kernels(hlo),
         "score_matrices": score_matrix_arrays(hlo, cfg.data.seq_len, (cfg.model.d_model, cfg.model.d_ff)),
@@ -566,10 +619,16 @@ def _analyse(compiled, seconds: float, hbm: int, n_devices: int, cfg) -> dict:
 
 def _describe(d: dict, hlo: str) -> dict:
     """A collective's result shape and the jax op it came from (its metadata op_name)."""
-    origin = d.get("origin", "")
-    line = next((l for l in hlo.splitlines() if f"channel_id={d['id']}," in l and d["kind"] in l and origin in l), "")
-    m = _OP.search(line)
-    shapes = ["%s[%s]" % x for x in _SHAPE.findall(m.group(1))] if m else []
+    if d.get("link") == "cross_slice":  # a megascale send: its result's first array is the buffer
+        line = next((l for l in hlo.splitlines() if f'_rendezvous="{d["id"]}"' in l and " send(" in l), "")
+        m = re.match(r"\s*%?[\w.\-]+\s*=\s*\(([^)]*)\)", line)
+        shapes = ["%s[%s]" % x for x in _SHAPE.findall(m.group(1))][:1] if m else []
+    else:
+        origin = d.get("origin", "")
+        line = next((l for l in hlo.splitlines()
+                     if f"channel_id={d['id']}," in l and d["kind"] in l and origin in l), "")
+        m = _OP.search(line)
+        shapes = ["%s[%s]" % x for x in _SHAPE.findall(m.group(1))] if m else []
     op = re.search(r'op_name="([^"]*)"', line)
     largest = max(shapes, key=lambda x: _shape_bytes(x)[0]) if shapes else ""
     shape = shapes[0] if len(shapes) == 1 else f"{len(shapes)} arrays, largest {largest}" if shapes else ""
@@ -669,11 +728,11 @@ def _with(cfg, **changes):
 
 
 def _dp(cfg, s: Slice) -> int:
-    """data × fsdp × expert on the slice, as sharding.make_mesh resolves a -1 axis."""
+    """slices × data × fsdp × expert, as sharding.make_mesh resolves a -1 axis (within a slice)."""
     sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor]
     known = math.prod(x for x in sizes if x != -1)
-    sizes = [s.devices // known if x == -1 else x for x in sizes]
-    return sizes[0] * sizes[1] * sizes[2]
+    sizes = [s.slice_devices // known if x == -1 else x for x in sizes]
+    return s.slices * sizes[0] * sizes[1] * sizes[2]
 
 
 # The remat policies --fit weighs, cheapest recompute first (layers.REMAT_POLICIES).
@@ -713,7 +772,9 @@ def modelled_time(report: dict, cfg, s: Slice) -> dict:
     recompute = recomputed_flops_per_token(cfg) * tokens / s.devices
     compute_s = (report["model_flops"] + recompute) / (chip.peak_tflops * 1e12 / per_device)
     memory_s = report.get("hbm_bytes", 0.0) / (chip.hbm_gbps * 1e9 / per_device)
-    comm_s = sum(report["collective_bytes"].values()) / (chip.link_gbps * 1e9)
+    # ICI only: a multi-slice job's cross-slice bytes go over DCN, which this model leaves out
+    within = report.get("collective_bytes_by_link", {}).get("within_slice", report["collective_bytes"])
+    comm_s = sum(within.values()) / (chip.link_gbps * 1e9)
     bound = max(compute_s, memory_s)
     return {"recomputed_flops": recompute, "compute_s": compute_s, "memory_s": memory_s, "comm_s": comm_s,
             "overlapped_s": max(bound, comm_s), "serial_s": bound + comm_s}
@@ -815,7 +876,7 @@ def _scores(found) -> str:
 
 def format_table(result: dict) -> str:
     s = result["slice"]
-    lines = [f"{result['config']} on {s['name']} ({s['topology']}, {s['devices']} devices, "
+    lines = [f"{result['config']} on {s.get('label', s['name'])} ({s['topology']}, {s['devices']} devices, "
              f"{s['hbm_per_device'] / GiB:.2f} GiB HBM per device)"]
     head = (f"{'head':<10} {'step':<5} {'args GiB':>9} {'temps GiB':>9} {'out GiB':>8} {'total GiB':>9} "
             f"{'fits':>4} {'compile s':>9} {'TFLOP/dev':>9} " + " ".join(f"{k[:10]:>10}" for k in COLLECTIVES))
@@ -834,6 +895,11 @@ def format_table(result: dict) -> str:
         if t:
             lines.append(f"{'':<10} train: mesh {t['mesh']}, micro_batch {t['micro_batch']} × "
                          f"{t['accum']} accumulation steps, remat {t['remat']}")
+            if s.get("slices", 1) > 1:
+                for link in ("within_slice", "cross_slice"):
+                    by = t["collective_bytes_by_link"][link]
+                    lines.append(f"{'':<10} {link.replace('_', '-')} collectives GB: " + ", ".join(
+                        f"{k} {by.get(k, 0) / 1e9:.3f}" for k in COLLECTIVES))
             lines.append(f"{'':<10} attention kernel: {', '.join(t['attention_kernels']) or 'none (plain XLA)'}; "
                          f"[..., T, T] arrays: {_scores(t['score_matrices'])}")
             lines.append(f"{'':<10} largest arrays: " + ", ".join(
@@ -876,7 +942,7 @@ def analyse(cfg, s: Slice, compare_head: str | None = None, do_fit: bool = False
     if len(devices) != s.devices:
         raise RuntimeError(f"{s.topology} has {len(devices)} devices; the table says {s.devices}")
     hbm = hbm or s.hbm_per_device
-    result = {"config": cfg.name, "slice": {**dataclasses.asdict(s), "devices": s.devices,
+    result = {"config": cfg.name, "slice": {**dataclasses.asdict(s), "label": s.label, "devices": s.devices,
                                              "hbm_per_device": hbm}, "heads": {}}
     if do_fit:
         found = fit(cfg, s, devices, hbm, log)
@@ -897,7 +963,7 @@ def analyse(cfg, s: Slice, compare_head: str | None = None, do_fit: bool = False
             c.name = cfg.name.replace(cfg.model.head, head)
         r = {}
         if log and not (fitted and head == cfg.model.head):
-            log(f"compiling the train step ({head}) for {s.name} ...")
+            log(f"compiling the train step ({head}) for {s.label} ...")
         try:
             r["train"] = fitted if (fitted and head == cfg.model.head) else compile_train(c, s, devices, hbm)
         except DoesNotFit as err:
@@ -918,6 +984,9 @@ def analyse(cfg, s: Slice, compare_head: str | None = None, do_fit: bool = False
 
 def define(fv, argv):
     flags.DEFINE_string("topology", "v5e-16", "TPU slice or GPU host: " + ", ".join(SLICES), flag_values=fv)
+    flags.DEFINE_integer("slices", None, "compile for this many --topology slices joined by the data-center "
+                         "network (a multi-slice job; sets mesh.slices; default: the config's mesh.slices)",
+                         flag_values=fv)
     flags.DEFINE_string("compare_head", "", "also compile with this head and report ratios (e.g. standard)",
                         flag_values=fv)
     flags.DEFINE_bool("fit", False, "search remat policy × micro-batch and pick the plan that fits with the "
@@ -940,6 +1009,16 @@ def _main(FLAGS, rest):
     if cfg is None:
         raise cli.UsageError("--config is required, e.g. --config=configs/paper.py:dense-142m-twin")
     s = get_slice(FLAGS.topology)
+    if FLAGS.slices is not None:
+        if cfg.mesh.slices not in (1, FLAGS.slices):
+            raise cli.UsageError(f"--slices={FLAGS.slices} and --config.mesh.slices={cfg.mesh.slices} disagree; "
+                                 "give one of them")
+        cfg.mesh.slices = FLAGS.slices
+    if cfg.mesh.slices != 1:
+        if s.platform != "tpu" or cfg.mesh.slices < 1:
+            raise cli.UsageError(f"--slices={cfg.mesh.slices}: multi-slice compiles are for TPU slices "
+                                 f"(a positive count); {s.name} is {'a GPU host' if s.platform == 'gpu' else 'a TPU slice'}")
+        s = dataclasses.replace(s, slices=cfg.mesh.slices)
     config_lib.validate(cfg)
     if FLAGS.compare_head:
         config_lib.validate(_with(cfg, **{"model.head": FLAGS.compare_head}))
@@ -954,11 +1033,11 @@ def _main(FLAGS, rest):
         report = getattr(err, "report", {})
         needed = f"{err.needed / GiB:.2f} GiB" if err.needed else "more than available"
         avail = (err.available or hbm or s.hbm_per_device) / GiB
-        raise cli.Failure(f"{cfg.name or 'config'} does not fit on {s.name}: needs {needed} of HBM per device, "
+        raise cli.Failure(f"{cfg.name or 'config'} does not fit on {s.label}: needs {needed} of HBM per device, "
                           f"{avail:.2f} GiB available ({err}); try "
                           + "; ".join(suggestions(cfg, s, report, FLAGS.fit))) from None
     except ValueError as err:  # the mesh or the batch does not suit the slice
-        raise cli.UsageError(f"{err} (on {s.name}: {s.devices} devices)") from None
+        raise cli.UsageError(f"{err} (on {s.label}: {s.devices} devices)") from None
     if FLAGS.json_out:
         paths.write_json(FLAGS.json_out, result)
     if FLAGS.json:
@@ -968,7 +1047,7 @@ def _main(FLAGS, rest):
     unfit = [(h, r["train"]) for h, r in result["heads"].items() if not r["train"]["fits"]]
     if unfit:
         head, r = unfit[0]
-        raise cli.Failure(f"{cfg.name or 'config'} ({head}) does not fit on {s.name}: needs {r['total'] / GiB:.2f} "
+        raise cli.Failure(f"{cfg.name or 'config'} ({head}) does not fit on {s.label}: needs {r['total'] / GiB:.2f} "
                           f"GiB of HBM per device, {r['hbm'] / GiB:.2f} GiB available; try "
                           + "; ".join(suggestions(_with(cfg, **{"model.head": head}), s, r)))
 

@@ -603,7 +603,8 @@ def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devic
     ckpts = Checkpoints(paths.join(workdir, "checkpoints"), read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
-    grid = mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.make_mesh(*mesh, devices)
+    grid = mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.make_mesh(
+        *mesh, devices, slices=sharding.device_slices(devices))  # a reader on a multi-slice job
 
     def read(s):
         cfg = _config(ckpts, s)

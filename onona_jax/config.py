@@ -116,6 +116,9 @@ def base_config() -> ml_collections.ConfigDict:
     ms.fsdp = 1
     ms.expert = 1  # expert parallelism (MoE): n_experts must divide by it; elsewhere more FSDP
     ms.tensor = 1
+    # TPU slices joined by DCN (a multi-slice job): the axes above then describe one slice, and
+    # the data axis is slices × data, the only axis that crosses slices (sharding.make_mesh)
+    ms.slices = 1
     return c
 
 
@@ -193,6 +196,9 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
         need(size > 0 or size == -1, f"{key}={size} must be positive, or -1 (the devices the other axes leave)")
     need(list(sizes.values()).count(-1) <= 1,
          f"{', '.join(f'{k}={v}' for k, v in sizes.items())}: at most one mesh axis may be -1")
+    need(isinstance(cfg.mesh.slices, int) and cfg.mesh.slices >= 1,
+         f"mesh.slices={cfg.mesh.slices} must be a positive integer: the TPU slices of a multi-slice job "
+         "(1 = one slice)")
     if m.arch == "moe":
         need(cfg.mesh.expert == 1 or m.moe.dispatch in ("auto", "grouped"),
              f"mesh.expert={cfg.mesh.expert} with model.moe.dispatch={m.moe.dispatch!r}: only the grouped "
@@ -248,7 +254,7 @@ RESUMABLE_KEYS = (
     "train.peak_tflops",     # MFU's denominator
     "train.micro_batch",     # gradient accumulation: the same global batch in other slices
     "eval.batch",            # rows per validation batch
-    "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor",  # checkpoints restore onto any mesh
+    "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.slices",  # checkpoints restore onto any mesh
     "model.remat", "model.attention_impl", "model.moe.dispatch",  # how the step is computed, not what
 )
 

@@ -53,8 +53,18 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.Context
 )
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *, expert: int = 1) -> Mesh:
-    """A (data, fsdp, expert, tensor) mesh over all devices; one axis may be -1 (takes the rest)."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *, expert: int = 1,
+              slices: int = 1) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh over all devices; one axis may be -1 (takes the rest).
+
+    `slices` > 1 (mesh.slices) is a multi-slice TPU job: data, fsdp, expert and tensor describe
+    ONE slice (their product, with -1 resolved, is a slice's devices), and the mesh's data axis
+    is slices × data, slice-major, so only the data axis crosses the data-center network (DCN)
+    between slices: parameter gathers (fsdp), expert all-to-alls and tensor collectives stay on
+    a slice's ICI, and the gradient reduction over data is the one collective that crosses
+    (MaxText's dcn_data_parallelism, with the ICI axes as given). The slices are told apart by
+    the devices' `slice_index`, and their number must be the config's: a mismatch, or slices >
+    1 on devices without one (CPU, GPU), is an error, as is any shape a slice cannot take."""
     devices = list(jax.devices() if devices is None else devices)
     named = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
     sizes = [named[a] for a in MESH_AXES]
@@ -62,25 +72,100 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *, e
         raise ValueError(f"mesh {named}: at most one axis may be -1")
     if any(s == 0 or s < -1 for s in sizes):
         raise ValueError(f"mesh {named}: sizes must be positive or -1")
+    groups = _slice_groups(devices, slices)
+    per_slice = len(groups[0])
+    one = (f" (mesh.data/fsdp/expert/tensor describe one of this run's {slices} slices; the data axis "
+           f"is mesh.slices × mesh.data)") if slices > 1 else ""
+    has = f"each slice has {per_slice}{one}" if slices > 1 else f"this run has {per_slice}"
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
-        if len(devices) % known:
+        if per_slice % known:
             raise ValueError(
-                f"mesh {named}: {len(devices)} devices are not divisible by "
-                f"the fixed axes' product {known}; set --config.mesh.* so they divide"
+                f"mesh {named}: {per_slice} devices{' per slice' if slices > 1 else ''} are not divisible by "
+                f"the fixed axes' product {known}{one}; set --config.mesh.* so they divide"
             )
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
+        sizes[sizes.index(-1)] = per_slice // known
+    if math.prod(sizes) != per_slice:
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but this run has "
-            f"{len(devices)}; set --config.mesh.data/fsdp/expert/tensor so their product is "
-            f"{len(devices)} (one of them may be -1)"
+            f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but {has}; set "
+            f"--config.mesh.data/fsdp/expert/tensor so their product is {per_slice} (one of them may be -1)"
         )
-    try:  # topology-aware placement where the platform supports it
-        grid = jax.experimental.mesh_utils.create_device_mesh(sizes, devices)
-    except Exception:
-        grid = np.asarray(devices).reshape(sizes)
+    # Slice-major along data: what mesh_utils.create_hybrid_device_mesh builds for a DCN mesh
+    # shape (slices, 1, 1, 1), with each slice placed by `_place_slice`.
+    grid = np.concatenate([_place_slice(sizes, g) for g in groups], axis=0)
     return Mesh(grid, MESH_AXES)
+
+
+def device_slices(devices=None) -> int:
+    """How many slices (distinct slice_index) the devices span; 1 without slice_index. For
+    readers (evaluation, export) that take whatever devices they are given: their data axis
+    may span slices, as a training job's does."""
+    devices = jax.devices() if devices is None else devices
+    return max(1, len({getattr(d, "slice_index", None) for d in devices}))
+
+
+def _slice_groups(devices, slices: int) -> list[list]:
+    """The devices grouped by slice (sorted by slice_index); one group when slices == 1."""
+    if not isinstance(slices, int) or slices < 1:
+        raise ValueError(f"mesh.slices={slices!r} must be a positive integer (TPU slices joined by DCN)")
+    found: dict = {}
+    for d in devices:
+        found.setdefault(getattr(d, "slice_index", None), []).append(d)
+    if slices > 1 and None in found:
+        d = devices[0]
+        raise ValueError(
+            f"mesh.slices={slices}: these {len(devices)} {d.platform} devices carry no slice_index, so "
+            f"they cannot be told apart into slices; mesh.slices > 1 is for multi-slice TPU jobs (and "
+            f"`python -m onona_jax.aot --slices={slices}`); use mesh.slices=1 here"
+        )
+    if len(found) != slices:
+        raise ValueError(
+            f"mesh.slices={slices} but these {len(devices)} devices span {len(found)} slice(s) "
+            f"(slice_index {sorted(k for k in found if k is not None)}); set --config.mesh.slices={len(found)}"
+        )
+    groups = [found[k] for k in sorted(found, key=lambda k: -1 if k is None else k)]
+    if len({len(g) for g in groups}) > 1:
+        raise ValueError(f"mesh.slices={slices}: the slices have unequal device counts "
+                         f"{[len(g) for g in groups]}; a multi-slice mesh needs equal slices")
+    return groups
+
+
+def _place_slice(sizes: list[int], devices: list) -> np.ndarray:
+    """One slice's devices as an array of `sizes`, placed by the platform's topology.
+
+    TPU: by `mesh_utils.create_device_mesh` (each mesh axis on whole torus axes; when the
+    shape needs a torus axis split between two mesh axes, e.g. data=2 × fsdp=8 on a 4×4
+    v5e-16, with the split allowed). libtpu describes a compile-only v4 chip as its two
+    TensorCores, which mesh_utils does not place (it wants one device per chip): those are
+    ordered by chip (x fastest) with a chip's two cores innermost, so tensor or fsdp pairs share
+    a chip. Other platforms: mesh_utils' own order (CPU: as given; GPU: by device id)."""
+    from jax.experimental import mesh_utils
+
+    if devices[0].platform != "tpu":
+        return mesh_utils.create_device_mesh(sizes, devices)
+    if any(getattr(d, "core_on_chip", 0) for d in devices):
+        ordered = sorted(devices, key=lambda d: (*reversed(d.coords), d.core_on_chip))
+        return np.asarray(ordered).reshape(sizes)
+    shape = dict(zip(MESH_AXES, sizes))
+    coords = np.asarray([d.coords for d in devices])
+    box = math.prod(int(n) for n in coords.max(0) - coords.min(0) + 1)
+    if box != len(devices):
+        raise ValueError(
+            f"mesh {shape}: these {len(devices)} TPU devices are not one contiguous block of chips "
+            f"(their coordinates span {box} chips), so they have no torus to place the mesh on; "
+            f"pass a whole slice's devices (or a contiguous block of it)"
+        )
+    try:
+        return mesh_utils.create_device_mesh(sizes, devices)
+    except NotImplementedError:  # no assignment of whole torus axes: split one
+        try:
+            return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+        except (NotImplementedError, ValueError) as err:
+            raise ValueError(
+                f"mesh {shape} cannot be placed on these {len(devices)} TPU devices (torus "
+                f"{'x'.join(str(int(n)) for n in coords.max(0) - coords.min(0) + 1)}): {err}; choose "
+                f"--config.mesh.* sizes that are products of the torus's axis lengths"
+            ) from None
 
 
 def logical_to_mesh(spec: P, rules=RULES) -> P:

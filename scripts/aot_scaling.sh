@@ -19,6 +19,9 @@ for row in $rows; do
     dense-142m) aot dense-142m-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --compare_head=standard --fit ;;
     # the same compiles at --fit's choice, without the search (faster to rerun)
     dense-142m-at4) aot dense-142m-at4-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --compare_head=standard --config.train.micro_batch=4 --noeval_step ;;
+    # two v5e-16 slices (mesh.slices=2: fsdp over each slice's 16 chips, data across the 2) at the
+    # v5e-16 row's remat (attention); 256 rows over 32 chips: 8 per chip, no accumulation
+    dense-142m-2slices) aot dense-142m-2x-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 --slices=2 $FSDP --compare_head=standard --config.train.micro_batch=8 --config.model.remat=attention --noeval_step ;;
     dense-142m-standard) aot dense-142m-standard-v5e-16 --config=configs/paper.py:dense-142m-standard --topology=v5e-16 $FSDP --fit --noeval_step ;;
     moe-142m|gdn-142m|attnres-142m)
       aot ${row}-v5e-16 --config=configs/paper.py:${row}-twin --topology=v5e-16 $FSDP --compare_head=standard \
@@ -33,6 +36,11 @@ for row in $rows; do
     # 16 and 8 exceed a replica's rows there, so --fit starts from the whole replica batch.
     dense-330m) aot dense-330m-v5p-64 --config=configs/paper.py:dense-330m-twin --topology=v5p-64 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     dense-1b) aot dense-1b-v5p-256 --config=configs/paper.py:dense-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
+    # the v5p-256 row at --fit's choice, without the search (the one-slice side of dense-1b-2slices)
+    dense-1b-at4) aot dense-1b-at4-v5p-256 --config=configs/paper.py:dense-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
+    # two v5p-128 slices joined by DCN (mesh.slices=2: fsdp over each slice's 64 chips, data across
+    # the 2 slices) at the v5p-256 row's plan (4 × 1, remat none); compare with dense-1b
+    dense-1b-2slices) aot dense-1b-2x-v5p-128 --config=configs/paper.py:dense-1b-twin --topology=v5p-128 --slices=2 $FSDP --compare_head=standard --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
     # expert parallelism (issue 26): 8 experts over an 8-way expert axis, the rest FSDP; grouped dispatch
     moe-142m-ep8) aot moe-142m-ep8-v5e-16 --config=configs/paper.py:moe-142m-twin --topology=v5e-16 --config.mesh.data=1 --config.mesh.fsdp=2 --config.mesh.expert=8 --config.mesh.tensor=1 --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
     moe-1b-ep8) aot moe-1b-ep8-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 --config.mesh.data=1 --config.mesh.fsdp=16 --config.mesh.expert=8 --config.mesh.tensor=1 --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;

@@ -2,6 +2,7 @@
 
     python scripts/aot_table.py docs/aot/*.json           # one row per head and report
     python scripts/aot_table.py --plans docs/aot/*.json   # --fit's plans, with modelled step times
+    python scripts/aot_table.py --links docs/aot/*.json   # collectives by kind, within / across slices
 """
 
 import json
@@ -31,10 +32,21 @@ def rows(path):
         big = max(KINDS, key=lambda k: t["collective_bytes"][k])
         chosen = f"{t['micro_batch']} × {t['accum']}, {t['remat']}" + (" (--fit)" if fit and i == 0 else "")
         hbm_ratio = f"**{ratio['hbm_total']:.3f}**" if ratio and i == 0 else ""
-        yield (f"| {name} | {s['name']} | {'yes' if t['fits'] else 'NO'} | {chosen} | {t['arguments'] / GiB:.2f} | "
+        yield (f"| {name} | {s.get('label', s['name'])} | {'yes' if t['fits'] else 'NO'} | {chosen} | {t['arguments'] / GiB:.2f} | "
                f"{t['temporaries'] / GiB:.2f} | {t['total'] / GiB:.2f} / {t['hbm'] / GiB:.2f} | {hbm_ratio} | "
                f"{coll:.2f} ({big} {t['collective_bytes'][big] / 1e9:.2f}) | {_kernel(t)} | "
                f"{t['model_flops'] / 1e12:.1f} | {t['compile_s']:.0f} s |")
+
+
+def links(path):
+    """GB per chip and step by kind, within a slice (ICI) / across slices (DCN)."""
+    r = json.load(open(path))
+    for head, x in r["heads"].items():
+        t = x["train"]
+        by = t.get("collective_bytes_by_link") or {"within_slice": t["collective_bytes"], "cross_slice": {}}
+        cells = [f"{by['within_slice'].get(k, 0) / 1e9:.3f} / {by['cross_slice'].get(k, 0) / 1e9:.3f}" for k in KINDS]
+        name = r["config"].replace(r["config"].split("-")[-1], head) if head not in r["config"] else r["config"]
+        yield f"| {name} | {r['slice'].get('label', r['slice']['name'])} | " + " | ".join(cells) + " |"
 
 
 def plans(path):
@@ -48,7 +60,13 @@ def plans(path):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args and args[0] == "--plans":
+    if args and args[0] == "--links":
+        print("| config | slice | " + " | ".join(f"{k} GB within / across" for k in KINDS) + " |")
+        print("|---|---|" + "---:|" * len(KINDS))
+        for p in args[1:]:
+            for row in links(p):
+                print(row)
+    elif args and args[0] == "--plans":
         print("| config | slice | remat | micro-batch × accum | total GiB | collectives GB | recomputed TFLOP/chip | "
               "compute s | HBM s | collectives s | modelled s/step (overlapped–serial) |")
         print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -5,6 +5,7 @@ Needs libtpu (`pip install -e '.[tpu-aot]'`; the README's test command installs 
 compiles are `slow` (about 2 minutes of CPU each):  python -m pytest -q -m slow tests/test_aot.py
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -297,6 +298,97 @@ def test_collective_bytes_tells_apart_shard_map_ops_that_share_a_channel_id():
     assert out["all-reduce"] == 8 * 640 * 4
 
 
+# One slice's program of a 2-slice job: an all-gather over the slice's 4 devices, and two
+# cross-slice (DCN) transfers as libtpu writes them: host-transfer sends to the megascale
+# runtime, an all-reduce inside a 3-trip loop and an all-gather.
+MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="{r}",' \
+            '_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{{1,2}}x{{0:3}}",' \
+            '_xla_megascale_transfer_type="{t}"'
+TWO_SLICE_HLO = """HloModule two_slices, num_partitions=4
+
+%body (p: (s32[], f32[16,128])) -> (s32[], f32[16,128]) {
+  %p = (s32[], f32[16,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[16,128] get-tuple-element(%p), index=1
+  %aa = token[] after-all()
+  %s = (f32[16,128], u32[], token[]) send(%x, %aa), channel_id=1, is_host_transfer=true, frontend_attributes={%s}
+  %sd = token[] send-done(%s), channel_id=1, is_host_transfer=true, frontend_attributes={%s}
+  %r = (f32[16,128], u32[], token[]) recv(%aa), channel_id=2, is_host_transfer=true, frontend_attributes={%s}
+  ROOT %t = (s32[], f32[16,128]) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[16,128])) -> pred[] {
+  %p = (s32[], f32[16,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,128]) -> f32[32,128] {
+  %a = f32[8,128] parameter(0)
+  %ag = f32[32,128] all-gather(%a), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %aa = token[] after-all()
+  %g = (f32[8,128], u32[], token[]) send(%a, %aa), channel_id=3, is_host_transfer=true, frontend_attributes={%g}
+  %z = s32[] constant(0)
+  %b = f32[16,128] broadcast(%z), dimensions={}
+  %init = (s32[], f32[16,128]) tuple(%z, %b)
+  %w = (s32[], f32[16,128]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[32,128] copy(%ag)
+}
+""".replace("{%s}", "{" + MEGASCALE.format(r="all-reduce.7_0", t="ALL_REDUCE") + "}").replace(
+    "{%g}", "{" + MEGASCALE.format(r="all-gather.9_0", t="ALL_GATHER") + "}")
+
+
+def test_collective_bytes_split_within_and_across_slices():
+    links: dict = {}
+    out = aot.collective_bytes(TWO_SLICE_HLO, n_devices=4, by_link=links, slices=2)
+    within, cross = links["within_slice"], links["cross_slice"]
+    assert within["all-gather"] == 32 * 128 * 4 and within["all-reduce"] == 0
+    # the send counts once per trip (its send-done and the matching recv do not count); a
+    # cross-slice all-gather counts its result, the part sent × 2 slices
+    assert cross["all-reduce"] == 3 * 16 * 128 * 4
+    assert cross["all-gather"] == 2 * 8 * 128 * 4
+    assert out["all-gather"] == within["all-gather"] + cross["all-gather"]
+    assert out["all-reduce"] == cross["all-reduce"]
+    # a one-slice program has no cross-slice traffic
+    aot.collective_bytes(SYNTHETIC_HLO, n_devices=8, by_link=links)
+    assert set(links["cross_slice"].values()) == {0}
+
+
+@needs_libtpu
+def test_two_slice_compile_keeps_parameter_gathers_within_a_slice():
+    """2 × v5e-4, FSDP over each slice (mesh.slices=2, data=1, fsdp=-1): the data axis spans the
+    slices, so the only cross-slice traffic is the gradient's all-reduce; every parameter
+    all-gather stays on a slice's ICI. Asserted on the optimized HLO that libtpu compiles for
+    the real 2-slice topology (one slice's program, its DCN transfers sends to the megascale
+    runtime)."""
+    import jax
+
+    from onona_jax import config, sharding
+    from onona_jax import train as trainer
+
+    cfg = config.load(os.path.join(REPO, "configs/paper.py:dense-tiny-twin"))
+    cfg.mesh.update(data=1, fsdp=-1, tensor=1, slices=2)
+    cfg.train.micro_batch = 0
+    s = dataclasses.replace(aot.get_slice("v5e-4"), slices=2)
+    devices = aot.topology_devices(s)
+    assert len(devices) == s.devices == 8 and {d.slice_index for d in devices} == {0, 1}
+    run = trainer.setup(cfg, devices=devices)
+    assert dict(run.mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    for row in run.mesh.devices:  # each data row (its fsdp group) lies in one slice
+        assert len({d.slice_index for d in row.flat}) == 1
+    report = aot.compile_train(cfg, s, devices)
+    within, cross = (report["collective_bytes_by_link"][k] for k in ("within_slice", "cross_slice"))
+    assert cross["all-gather"] == 0  # the target: no parameter gather over DCN
+    assert within["all-gather"] > 0  # FSDP does gather them, within the slice
+    assert {k for k, v in cross.items() if v} == {"all-reduce"}
+    # the gradient all-reduce: every parameter's f32 gradient, reduced within the slice to a
+    # device's quarter before it crosses (at least that much leaves each device)
+    n_params = sum(x.size for x in jax.tree.leaves(run.abstract_params))
+    assert cross["all-reduce"] >= n_params * 4 // 4
+    assert sharding.data_parallel_size(run.mesh) == 8
+
+
 def test_resource_exhausted_message_gives_needed_and_available():
     msg = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
            "HLO temporaries (33.57G) exceeds available HBM (15.75G)")
@@ -347,6 +439,15 @@ def test_unknown_slice_is_one_error_line_before_any_compile():
              if "cudart_stub.cc" not in ln and not ln.startswith("WARNING: All log messages before absl")]
     assert lines == _errors(r.stderr)
     assert "unknown --topology='v5e-17'; choose a slice name: v4-8" in r.stderr
+
+
+def test_bad_slices_are_one_error_line_before_any_compile():
+    r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=v5e-4", "--slices=2",
+             "--config.mesh.slices=3")
+    assert r.returncode == 2 and "--slices=2 and --config.mesh.slices=3 disagree" in r.stderr
+    r = _cli("--config=configs/paper.py:dense-tiny-twin", "--topology=h100-8", "--slices=2")
+    assert r.returncode == 2 and "multi-slice compiles are for TPU slices" in r.stderr
+    assert len(_errors(r.stderr)) == 1
 
 
 @needs_libtpu

@@ -54,7 +54,8 @@ def setup(cfg, devices=None) -> Run:
     """Validate `cfg` against this run's devices and derive the mesh, shardings and optimizer.
     Raises ValueError before anything is compiled or written."""
     config_lib.validate(cfg)
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices, expert=cfg.mesh.expert)
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices, expert=cfg.mesh.expert,
+                              slices=cfg.mesh.slices)
     graphdef, state = models.abstract(cfg.model)
     logical = logical_axes(state)
     abstract_params = jax.tree.map(
@@ -70,7 +71,7 @@ def setup(cfg, devices=None) -> Run:
     if t.global_batch % (micro * dp):
         raise ValueError(
             f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
-            f"{micro} × data-parallel size {dp} (mesh.data × mesh.fsdp × mesh.expert); choose a global "
+            f"{micro} × data-parallel size {dp} (mesh.slices × mesh.data × mesh.fsdp × mesh.expert); choose a global "
             f"batch that is a multiple of {micro * dp}"
         )
     if t.global_batch % jax.process_count():
