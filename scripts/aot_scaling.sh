@@ -41,9 +41,18 @@ for row in $rows; do
     # two v5p-128 slices joined by DCN (mesh.slices=2: fsdp over each slice's 64 chips, data across
     # the 2 slices) at the v5p-256 row's plan (4 × 1, remat none); compare with dense-1b
     dense-1b-2slices) aot dense-1b-2x-v5p-128 --config=configs/paper.py:dense-1b-twin --topology=v5p-128 --slices=2 $FSDP --compare_head=standard --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
-    # expert parallelism (issue 26): 8 experts over an 8-way expert axis, the rest FSDP; grouped dispatch
-    moe-142m-ep8) aot moe-142m-ep8-v5e-16 --config=configs/paper.py:moe-142m-twin --topology=v5e-16 --config.mesh.data=1 --config.mesh.fsdp=2 --config.mesh.expert=8 --config.mesh.tensor=1 --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
-    moe-1b-ep8) aot moe-1b-ep8-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 --config.mesh.data=1 --config.mesh.fsdp=16 --config.mesh.expert=8 --config.mesh.tensor=1 --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
+    # MoE dispatch and expert parallelism (issue 26) at the replicated layout's --fit plans, twin only:
+    # sort / grouped with experts replicated over the expert axis (fsdp everywhere), and grouped with
+    # an 8-way expert axis; dense-142m-at16 / dense-1b-at4 are the Dense rows at the same plans.
+    moe-142m-sort|moe-142m-grouped|moe-142m-ep8)
+      case $row in *ep8) mesh="--config.mesh.fsdp=2 --config.mesh.expert=8" d=grouped ;; *) mesh="--config.mesh.fsdp=16" d=${row#moe-142m-} ;; esac
+      aot ${row}-v5e-16 --config=configs/paper.py:moe-142m-twin --topology=v5e-16 --config.mesh.data=1 $mesh \
+        --config.model.moe.dispatch=$d --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
+    moe-1b-sort|moe-1b-grouped|moe-1b-ep8)
+      case $row in *ep8) mesh="--config.mesh.fsdp=16 --config.mesh.expert=8" d=grouped ;; *) mesh="--config.mesh.fsdp=128" d=${row#moe-1b-} ;; esac
+      aot ${row}-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 --config.mesh.data=1 $mesh \
+        --config.model.moe.dispatch=$d --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
+    dense-142m-at16) aot dense-142m-at16-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
     moe-1b) aot moe-1b-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
     # one 8-GPU H100 host, the README's recipe (pure data parallel, micro-batch 16 × 2); needs the gpu-aot extra
     # (gpu-aot extra with the cuDNN wheel: auto = cuDNN's fused attention; -xla: XLA's, for comparison)
