@@ -2,7 +2,8 @@
 
 Layout: every sequence tensor is [B, T, H, D] (batch, time, heads, head dim) as in the rest
 of the model; per-step decays `g` and learning rates `beta` are [B, T, H]; the recurrent
-state is [B, H, dk, dv] (S maps keys to values: o_t = Sᵀ q_t). The state math is fp32.
+state is [B, H, dk, dv] (S maps keys to values: o_t = Sᵀ q_t). The state math is fp32; the
+matmuls' operands are bf16 or fp32 as `precision` says (PRECISIONS, config model.gdn.precision).
 
 Recurrence per head (the naive form, the test oracle and the decoding step):
 
