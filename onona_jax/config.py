@@ -75,6 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
     m.gdn.head_dim_v = 128
     m.gdn.conv_kernel = 4
     m.gdn.chunk = 64
+    # the recurrence's matmuls: default (bf16 operands, fp32 accumulation; the state stays fp32)
+    # | highest (fp32 at Precision.HIGHEST: multi-pass on TPU). A saved config without the key
+    # predates it and was trained at highest: from_saved restores it as highest.
+    m.gdn.precision = gdn.DEFAULT_PRECISION
 
     m.attnres = ml_collections.ConfigDict()  # arch=attnres: Attention Residuals
     m.attnres.block_size = 1  # sublayers per block; 1 = full AttnRes
@@ -256,6 +260,7 @@ RESUMABLE_KEYS = (
     "eval.batch",            # rows per validation batch
     "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.slices",  # checkpoints restore onto any mesh
     "model.remat", "model.attention_impl", "model.moe.dispatch",  # how the step is computed, not what
+    "model.gdn.precision",   # likewise: the recurrence's matmuls, the same function to bf16 rounding
 )
 
 
@@ -287,7 +292,13 @@ def resume_conflicts(saved, requested) -> list[tuple[str, object, object]]:
 
 def from_saved(saved: dict, where: str = "") -> ml_collections.ConfigDict:
     """A config saved by this or an older version: keys it lacks (added since) take their
-    defaults, with a notice; unknown keys (a newer version's) are an error naming them."""
+    defaults, with a notice; unknown keys (a newer version's) are an error naming them.
+
+    One exception: a config without model.gdn.precision was saved when GDN's recurrence ran
+    at fp32 HIGHEST, so it restores as `highest` (what the run was trained at), not as the
+    new default. A reader (evaluation, serving, export) computes as the run was trained; a
+    resumed training run takes the command line's value (the key is in RESUMABLE_KEYS), i.e.
+    the new default unless --config.model.gdn.precision=highest."""
     import sys
 
     base = base_config()
@@ -298,6 +309,13 @@ def from_saved(saved: dict, where: str = "") -> ml_collections.ConfigDict:
         raise ValueError(f"the config saved in {where} has keys this version does not know "
                          f"({', '.join(unknown)}); a newer onona-jax wrote it: update this checkout")
     missing = sorted(set(known) - set(have))
+    if "model.gdn.precision" in missing:
+        missing.remove("model.gdn.precision")
+        have["model.gdn.precision"] = "highest"
+        pattern = have.get("model.layer_pattern") or ("gdn" if have.get("model.arch") == "gdn" else "")
+        if "gdn" in pattern:
+            print(f"notice: the config saved in {where} predates model.gdn.precision; using 'highest', "
+                  "the fp32 recurrence it was trained with", file=sys.stderr)
     if missing:
         print(f"notice: the config saved in {where} predates keys {', '.join(missing)}; "
               "using their defaults", file=sys.stderr)

@@ -56,6 +56,8 @@ class Exported:
         from transformers import AutoModelForCausalLM
 
         self.cfg = tiny_config(str(root / "no-data"), head=head, arch=arch)
+        if arch == "gdn":  # parity with transformers' fp32 recurrence to 1e-4
+            self.cfg.model.gdn.precision = "highest"
         self.m = moe.eval_config(self.cfg.model)  # MoE: the evaluation capacity, nothing dropped
         self.params = _noisy_params(self.cfg.model)
         self.out = str(root / f"{arch}-{head}")

@@ -1049,6 +1049,8 @@ BAD_VALUES = [
     ({"model.layer_pattern": "gdn,attention", "model.gdn.chunk": 0}, "model.gdn.chunk=0 must be positive"),
     ({"model.layer_pattern": "gdn,attention", "model.gdn.conv_kernel": 0}, "model.gdn.conv_kernel=0 must be positive"),
     ({"model.layer_pattern": "gdn,attention", "model.gdn.head_dim_k": 0}, "model.gdn.head_dim_k=0 must be positive"),
+    ({"model.layer_pattern": "gdn,attention", "model.gdn.precision": "bf16"},
+     "model.gdn.precision 'bf16': one of default, highest"),
     ({"model.arch": "attnres", "model.attnres.block_size": 0}, "model.attnres.block_size=0 must be ≥ 1"),
     ({"data.seq_len": 0}, "data.seq_len=0 must be positive"),
     ({"data.seed": -1}, "data.seed=-1 must lie in [0, 2**32)"),

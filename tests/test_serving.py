@@ -42,6 +42,7 @@ def _model_cfg(arch, scan, block_size=1):
     if arch == "gdn":
         m.update(n_layers=4)  # one 3 GDN + 1 attention group
         m.gdn.chunk = 4  # the prompt spans several chunks
+        m.gdn.precision = "highest"  # chunked prefill vs the decoding step to fp32 rounding (1e-5)
     if arch == "moe":
         m = moe.eval_config(m)  # serving capacity: nothing dropped
     m.attnres.block_size = block_size

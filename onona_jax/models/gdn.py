@@ -2,7 +2,8 @@
 
 Layout: every sequence tensor is [B, T, H, D] (batch, time, heads, head dim) as in the rest
 of the model; per-step decays `g` and learning rates `beta` are [B, T, H]; the recurrent
-state is [B, H, dk, dv] (S maps keys to values: o_t = Sᵀ q_t). The state math is fp32.
+state is [B, H, dk, dv] (S maps keys to values: o_t = Sᵀ q_t). The state math is fp32; the
+matmuls' operands are bf16 or fp32 as `precision` says (PRECISIONS, config model.gdn.precision).
 
 Recurrence per head (the naive form, the test oracle and the decoding step):
 
@@ -33,26 +34,48 @@ from flax import nnx
 from onona_jax.params import param
 from onona_jax.sharding import constrain
 
-# fp32 matmuls of the recurrence run at full precision (no TF32 / bf16 passes on GPU):
-# the UT solve and the state carry are sensitive to it and their FLOPs are small next to
-# the projections. Pass precision=None to the pure functions to use the global default.
-PRECISION = jax.lax.Precision.HIGHEST
+# The precision of the recurrence's matmuls (config key model.gdn.precision):
+#   "highest": fp32 operands at Precision.HIGHEST — full fp32 on every backend, which on the
+#       TPU matrix unit (bf16 passes) is multi-pass emulation: more HBM and far longer compiles.
+#   "default": operands rounded to bf16, products accumulated in fp32 (one matrix-unit pass;
+#       the same numbers on CPU and GPU, where bf16 × bf16 products are exact in fp32).
+# Either way the state S is kept and carried in fp32, and so are decays, β and the elementwise
+# work; only the matmul operands are rounded. tests/test_gdn.py states and checks the error.
+PRECISIONS = ("default", "highest")
+DEFAULT_PRECISION = "default"
 L2_EPS = 1e-6
 
 
 # ----------------------------------------------------------------------------- the gated delta rule
 
 
-def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, precision=PRECISION):
+def matmul(precision: str):
+    """`einsum(spec, *operands)` for the recurrence's products at `precision` (PRECISIONS);
+    fp32 results either way."""
+    if precision == "highest":
+        return lambda spec, *ops: jnp.einsum(spec, *ops, precision=jax.lax.Precision.HIGHEST)
+    if precision == "default":
+        # DEFAULT named explicitly, so that a global jax_default_matmul_precision cannot
+        # turn these into multi-pass products again.
+        bf16 = jnp.bfloat16
+        return lambda spec, *ops: jnp.einsum(spec, *(x.astype(bf16) for x in ops),
+                                             precision=jax.lax.Precision.DEFAULT,
+                                             preferred_element_type=jnp.float32)
+    raise ValueError(f"GDN matmul precision {precision!r}: one of {', '.join(PRECISIONS)}")
+
+
+def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, precision=DEFAULT_PRECISION):
     """One step of the recurrence. state [B, H, dk, dv]; q_t, k_t [B, H, dk]; v_t [B, H, dv];
-    g_t, beta_t [B, H]. Returns (o_t [B, H, dv], new state), fp32."""
+    g_t, beta_t [B, H]. Returns (o_t [B, H, dv], new state), fp32. `precision`: of the two
+    state products (the write k uᵀ is an elementwise outer product, always fp32)."""
     f32 = jnp.float32
+    ein = matmul(precision)
     state = state.astype(f32) * jnp.exp(g_t.astype(f32))[..., None, None]
     k_t = k_t.astype(f32)
-    kv = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=precision)
+    kv = ein("bhkv,bhk->bhv", state, k_t)
     u = beta_t.astype(f32)[..., None] * (v_t.astype(f32) - kv)
     state = state + k_t[..., :, None] * u[..., None, :]
-    o = jnp.einsum("bhkv,bhk->bhv", state, q_t.astype(f32), precision=precision)
+    o = ein("bhkv,bhk->bhv", state, q_t.astype(f32))
     return o, state
 
 
@@ -61,7 +84,7 @@ def _zero_state(q, v):
     return jnp.zeros((B, H, dk, v.shape[-1]), jnp.float32)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, precision=PRECISION):
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, precision=DEFAULT_PRECISION):
     """The naive per-step recurrence (lax.scan over time). q, k [B, T, H, dk], v [B, T, H, dv],
     g, beta [B, T, H]; initial_state [B, H, dk, dv] or None (zeros).
     Returns (o [B, T, H, dv] fp32, final state [B, H, dk, dv] fp32)."""
@@ -76,41 +99,72 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, precision=P
     return jnp.moveaxis(o, 0, 1), state
 
 
-def unit_lower_inverse(A, precision=PRECISION):
+def unit_lower_inverse(A, precision=DEFAULT_PRECISION):
     """(I + A)⁻¹ for strictly lower-triangular A [..., C, C], by recursive block inversion:
 
         [[I + A₁₁, 0], [A₂₁, I + A₂₂]]⁻¹ = [[T₁₁, 0], [−T₂₂ A₂₁ T₁₁, T₂₂]]
 
-    applied to diagonal blocks of size 1, 2, 4, … (C is padded to a power of two with
-    identity). Every step is a batched matmul (log₂ C rounds, ≈ ⅔C³ FLOPs in all), so it
-    suits accelerators and, unlike a batched LAPACK trsm on CPU, never waits on XLA's
-    intra-op thread pool (jaxlib 0.10 splits large trsm batches over it and, on 2 cores,
-    was seen to deadlock). Each T block is the exact inverse of a principal block of I + A —
-    the UT transform of a sub-chunk, bounded like the recurrence — so no intermediate grows
-    the way the power series Σ(−A)ᵏ's terms do (binomially, for aligned keys)."""
+    applied to diagonal blocks of size 1, 2, 4, … (C is padded to a power of two P with
+    identity). Round s holds D, block-diagonal with the inverses of the s × s diagonal blocks,
+    and L, the lower-left quarters A₂₁ of the 2s × 2s diagonal blocks (A masked, zero
+    elsewhere); then D − D (L D) is block-diagonal with the 2s × 2s inverses (the formula
+    above, block by block). Each round is two whole P × P products: matrix-unit-sized, where
+    the blocks themselves (1 × 1 … P/2 × P/2) would be batches of tiny products, and exact, as
+    the extra terms are products with exact zeros. log₂ P rounds, 4P³ log₂ P FLOPs; never waits
+    on XLA's intra-op thread pool as a batched LAPACK trsm on CPU does (jaxlib 0.10 splits large
+    trsm batches over it and, on 2 cores, was seen to deadlock). Each D block is the exact
+    inverse of a principal block of I + A — the UT transform of a sub-chunk, bounded like the
+    recurrence — so no intermediate grows the way the power series Σ(−A)ᵏ's terms do
+    (binomially, for aligned keys).
+
+    The gradient is the inverse's own, dA = −Tᵀ dT Tᵀ on the strictly lower triangle (two
+    products; a custom VJP that keeps only T, not every round's D and L D for the backward)."""
+    return _unit_lower_inverse(precision, A)
+
+
+def _blocked_inverse(precision, A):
     C = A.shape[-1]
     batch = A.shape[:-2]
     P = 1 << (C - 1).bit_length()  # next power of two ≥ C
     if P != C:
         A = jnp.pad(A, [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)])
-    inv = jnp.ones((*batch, P, 1, 1), A.dtype)  # inverses of the 1×1 diagonal blocks
+    ein = matmul(precision)
+    i = jnp.arange(P)
+    D = jnp.broadcast_to(jnp.eye(P, dtype=A.dtype), A.shape)  # inverses of the 1 × 1 blocks
     s = 1
     while s < P:
-        n = P // (2 * s)
-        # the n diagonal blocks of size 2s of A, and their lower-left quarters A₂₁
-        blocks = jnp.diagonal(A.reshape(*batch, n, 2 * s, n, 2 * s), axis1=-4, axis2=-2)
-        A21 = jnp.moveaxis(blocks, -1, -3)[..., s:, :s]  # [..., n, s, s]
-        T11, T22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
-        T21 = -jnp.matmul(jnp.matmul(T22, A21, precision=precision), T11, precision=precision)
-        top = jnp.concatenate([T11, jnp.zeros_like(T11)], axis=-1)
-        inv = jnp.concatenate([top, jnp.concatenate([T21, T22], axis=-1)], axis=-2)
+        # (i, j) in a lower-left quarter: the same 2s-block, i in its second half, j in its first.
+        quarter = ((i[:, None] // (2 * s) == i[None, :] // (2 * s))
+                   & ((i[:, None] // s) % 2 == 1) & ((i[None, :] // s) % 2 == 0))
+        L = jnp.where(quarter, A, 0.0)
+        D = D - ein("...ij,...jk->...ik", D, ein("...ij,...jk->...ik", L, D))
         s *= 2
-    return inv[..., 0, :C, :C]
+    return D[..., :C, :C]
 
 
-def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, precision=PRECISION):
+_unit_lower_inverse = jax.custom_vjp(_blocked_inverse, nondiff_argnums=(0,))
+
+
+def _inverse_fwd(precision, A):
+    T = _blocked_inverse(precision, A)
+    return T, T
+
+
+def _inverse_bwd(precision, T, dT):
+    # d(M⁻¹) = −M⁻¹ dM M⁻¹ with M = I + A; only A's strictly lower entries are inputs.
+    ein = matmul(precision)
+    dA = -ein("...ji,...jk->...ik", T, ein("...ij,...kj->...ik", dT, T))
+    C = T.shape[-1]
+    return (jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), dA, 0.0),)
+
+
+_unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, precision=DEFAULT_PRECISION):
     """The chunked (WY/UT-transform) form, equal to `recurrent_gated_delta_rule` for any T.
-    Same arguments and results; `chunk` is the block length C (T is padded to a multiple)."""
+    Same arguments and results; `chunk` is the block length C (T is padded to a multiple);
+    `precision` of every matmul (PRECISIONS: the state and every elementwise term stay fp32)."""
     f32 = jnp.float32
     B, T, H, dk = q.shape
     dv = v.shape[-1]
@@ -129,7 +183,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, pre
         return jnp.moveaxis(a, (1, 2, 3), (0, 3, 2))
 
     q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))  # g, beta: [N, B, H, C]
-    ein = lambda s, *a: jnp.einsum(s, *a, precision=precision)  # noqa: E731
+    ein = matmul(precision)
 
     gamma = jnp.cumsum(g, axis=-1)  # [N, B, H, C], ≤ 0, non-increasing
     i = jnp.arange(C)
@@ -190,9 +244,9 @@ def recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
     to N·C (the padded steps cost as much as real ones, hence the factor N·C/T):
 
         intra  = N·C/T · H · (2C·dk [K Kᵀ] + 2C·dk [Q Kᵀ] + 2C·dv [(QKᵀ∘decay) U])
-        solve  = N·C/T · H · (2P(P²−1)/(3C) + 2C(dk+dv))
+        solve  = N·C/T · H · (4P³·log₂P/C + 2C(dk+dv))
                  [T = (I+A)⁻¹ by blocked inversion (P = C rounded up to a power of two:
-                  matmuls of s×s blocks, s = 1, 2, …, P/2), then T [βV, βe^γK]]
+                  two P×P products per round, log₂P rounds), then T [βV, βe^γK]]
         state  = N·C/T · H · 2·dk·dv · (2 + (N−1)/N)
                  [u = U − W S₀ and the readout e^γ Q S₀ each chunk; the write S += Kᵀu for
                   all but the last chunk, whose state is unused in training and dead code]
@@ -206,7 +260,7 @@ def recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
     P = 1 << (C - 1).bit_length()
     return {
         "intra": pad * H * (4 * C * dk + 2 * C * dv),
-        "solve": pad * H * (2 * P * (P * P - 1) / (3 * C) + 2 * C * (dk + dv)),
+        "solve": pad * H * (4 * P**3 * (P.bit_length() - 1) / C + 2 * C * (dk + dv)),
         "state": pad * H * 2 * dk * dv * (2 + (N - 1) / N),
     }
 
@@ -215,11 +269,15 @@ def config_problems(cfg_model) -> list[str]:
     """What is wrong with the model config's gdn keys (read when the layer pattern has GDN
     layers), each naming the key and the fix."""
     G = cfg_model.gdn
-    return [f"model.gdn.{key}={G[key]} must be positive" + why
-            for key, why in (("n_heads", ""), ("head_dim_k", ""), ("head_dim_v", ""),
-                             ("conv_kernel", " (the causal convolution's width; 1 = none)"),
-                             ("chunk", " (positions per block of the chunked recurrence)"))
-            if G[key] < 1]
+    problems = [f"model.gdn.{key}={G[key]} must be positive" + why
+                for key, why in (("n_heads", ""), ("head_dim_k", ""), ("head_dim_v", ""),
+                                 ("conv_kernel", " (the causal convolution's width; 1 = none)"),
+                                 ("chunk", " (positions per block of the chunked recurrence)"))
+                if G[key] < 1]
+    if G.precision not in PRECISIONS:
+        problems.append(f"model.gdn.precision {G.precision!r}: one of {', '.join(PRECISIONS)} (the recurrence's "
+                        "matmuls: default = bf16 operands with fp32 accumulation, highest = fp32 throughout)")
+    return problems
 
 
 class GatedDeltaNet(nnx.Module):
@@ -235,7 +293,8 @@ class GatedDeltaNet(nnx.Module):
         o [H, dv, d]
 
     Projections and the conv run in x's dtype; L2 norm, decay, β, the recurrence and the
-    gated norm in fp32; o_proj in x's dtype.
+    gated norm in fp32; o_proj in x's dtype. The recurrence's matmuls (chunked, naive and the
+    decoding step alike) run at cfg.gdn.precision (PRECISIONS).
     """
 
     def __init__(self, cfg, stack=None):
@@ -254,7 +313,7 @@ class GatedDeltaNet(nnx.Module):
         self.conv_v = param((K, H, dv), ("conv", "gdn_heads", "head_dim"), stack=stack)
         self.norm = param((dv,), ("norm",), "ones", stack=stack)
         self.o = param((H, dv, d), ("gdn_heads", "head_dim", "embed"), stack=stack)
-        self.eps, self.chunk, self.kernel = cfg.norm_eps, G.chunk, K
+        self.eps, self.chunk, self.kernel, self.precision = cfg.norm_eps, G.chunk, K, G.precision
         self.heads, self.dk, self.dv = H, dk, dv
 
     # -- pieces shared by the full-sequence and the step forms
@@ -304,15 +363,15 @@ class GatedDeltaNet(nnx.Module):
         cache = cache or {}
         q, k, v, g, beta, gate, conv = self._inputs(x, cache.get("conv"))
         if recurrent:
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, cache.get("state"))
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, cache.get("state"), self.precision)
         else:
-            o, state = chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, cache.get("state"))
+            o, state = chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, cache.get("state"), self.precision)
         return self._output(o, gate, x.dtype), {"conv": conv, "state": state}
 
     def step(self, x_t, cache):
         """One decoding step with `gated_delta_step`: x_t [B, d] -> (y_t [B, d], cache)."""
         q, k, v, g, beta, gate, conv = self._inputs(x_t[:, None], cache["conv"])
-        o, state = gated_delta_step(cache["state"], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+        o, state = gated_delta_step(cache["state"], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], self.precision)
         y = self._output(o[:, None], gate, x_t.dtype)
         return y[:, 0], {"conv": conv, "state": state}
 
