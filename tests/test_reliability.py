@@ -1043,7 +1043,7 @@ BAD_VALUES = [
     ({"model.arch": "moe", "model.moe.top_k": 0}, "model.moe.top_k=0 must be in 1..n_experts (8)"),
     ({"model.arch": "moe", "model.moe.top_k": 9}, "model.moe.top_k=9 must be in 1..n_experts (8)"),
     ({"model.arch": "moe", "model.moe.d_expert": 0}, "model.moe.d_expert=0 must be positive"),
-    ({"model.arch": "moe", "model.moe.capacity_factor": 0}, "model.moe.capacity_factor=0.0 must be positive"),
+    ({"model.arch": "moe", "model.moe.capacity_factor": -0.5}, "model.moe.capacity_factor=-0.5 must be positive"),
     ({"model.arch": "moe", "model.moe.eval_capacity_factor": -1}, "model.moe.eval_capacity_factor=-1.0 must be positive"),
     ({"model.arch": "moe", "model.moe.aux_coef": -0.1}, "model.moe.aux_coef=-0.1 must be zero"),
     ({"model.layer_pattern": "gdn,attention", "model.gdn.chunk": 0}, "model.gdn.chunk=0 must be positive"),
@@ -1060,7 +1060,7 @@ BAD_VALUES = [
     ({"eval.batch": 0}, "eval.batch=0 must be positive"),
     ({"mesh.fsdp": 0}, "mesh.fsdp=0 must be positive, or -1"),
     ({"mesh.tensor": -2}, "mesh.tensor=-2 must be positive, or -1"),
-    ({"mesh.fsdp": -1}, "mesh.data=-1, mesh.fsdp=-1, mesh.tensor=1: at most one mesh axis may be -1"),
+    ({"mesh.fsdp": -1}, "mesh.data=-1, mesh.fsdp=-1, mesh.expert=1, mesh.tensor=1: at most one mesh axis may be -1"),
 ]
 
 
