@@ -308,7 +308,8 @@ def dispatch_grouped(x, weights, experts, C, gate, up, down):
     expert_axis = w_in[0] if ep > 1 else None
     tensor_axis = w_in[2]  # (a psum over one device is free, and tells shard_map y is whole)
     # The weights enter whole in d: the partitioner gathers them over fsdp in the compute
-    # dtype (and reduce-scatters their gradients) exactly as it does any FSDP weight.
+    # dtype, as any FSDP weight, and reduces their gradients back (XLA:TPU lowers that as an
+    # all-reduce here, not a reduce-scatter: docs/SCALING.md, the MoE section).
     w_in, w_out = P(w_in[0], None, w_in[2]), P(w_out[0], w_out[1], None)
     dt = x.dtype
 
