@@ -17,7 +17,7 @@ from conftest import REPO
 def _run(out_dir, *extra):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     return subprocess.run(["bash", os.path.join(REPO, "scripts", "device_check.sh"), str(out_dir), "--dry_run", *extra],
-                          capture_output=True, text=True, env=env, timeout=900)
+                          capture_output=True, text=True, env=env, timeout=3600)
 
 
 def test_device_check_dry_run(tmp_path):
@@ -47,14 +47,20 @@ def test_device_check_usage_error(tmp_path):
 @pytest.mark.slow
 def test_device_check_dry_run_all(tmp_path):
     """Every variant compiled and stepped (run: pytest -m slow tests/test_device_check.py)."""
-    p = _run(tmp_path, "--dry_run_all")
+    p = _run(tmp_path, "--dry_run_all", "--budget_s=3000")  # all 12, however loaded the host
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "device_check.json").read_text())
     stepped = {k: r for k, r in res["train"].items() if r["status"] == "measured"}
     assert len(stepped) == 12
     # One model computed two ways: MoE's dispatches keep the same assignments (fp32 rounding);
     # GDN's recurrence at default precision rounds its matmul inputs to bf16 (1e-3).
+    # The families' first variants are other models than Dense: only near ln(50304) = 10.8 after
+    # 4 steps of a tiny model, the reference of their second variant.
     refs = {"twin/moe:grouped": ("twin/moe:sort", 1e-4), "twin/gdn:default": ("twin/gdn:highest", 1e-3)}
+    for k in ("twin/moe:sort", "twin/gdn:highest"):
+        assert 9.5 < stepped[k]["loss"] < 11.5, (k, stepped[k]["loss"])
     for k, r in stepped.items():
+        if k in ("twin/moe:sort", "twin/gdn:highest"):
+            continue
         ref, tol = refs.get(k, (k.split("/")[0] + "/plain", 1e-4))
         assert math.isfinite(r["loss"]) and abs(r["loss"] / stepped[ref]["loss"] - 1) <= tol, (k, r["loss"], ref)
