@@ -42,6 +42,35 @@ class NonFiniteLoss(cli.Failure):
     """A non-finite loss or state: the run stops, the last good checkpoint untouched."""
 
 
+# The clock of train.checkpoint_minutes (a module attribute, so a test can run a run on a clock
+# of its own: tests/multihost_driver.py).
+timer_clock = time.monotonic
+
+
+class SaveTimer:
+    """train.checkpoint_minutes: whether a timer save is due, asked at logged steps only. Process
+    0's clock decides and every process gets its answer (one broadcast of a scalar per logged
+    step, beside that step's metrics transfer), so all of them save the same steps: a save is a
+    collective. Restarted by every save, timer or scheduled."""
+
+    def __init__(self, minutes: float):
+        self.seconds = 60.0 * minutes
+        self.restart()
+
+    def restart(self):
+        self.last = timer_clock()
+
+    def due(self) -> bool:
+        if not self.seconds:
+            return False
+        due = timer_clock() - self.last >= self.seconds
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        return due
+
+
 class Preemption:
     """SIGTERM sets a flag; the loop saves a checkpoint after the step in flight and exits."""
 
@@ -280,7 +309,10 @@ def save_failure(ckpts, err) -> cli.Failure:
     code = re.search(r"os_error_code='(\d+)'", str(err))  # TensorStore's: the OS's reason first, before its paths
     if code:
         reason = f"{os.strerror(int(code.group(1)))}; {reason}"
-    good = [s for s in ckpts.steps() if paths.exists(paths.join(ckpts.directory, str(s), "commit_success.txt"))]
+    # Listed afresh: Orbax drops the steps a save will rotate away from its list when the save
+    # starts, though they stay until it is complete (a timer save just before, say).
+    listed = sorted(int(p.name) for p in ckpts.directory.iterdir() if p.name.isdigit())
+    good = [s for s in listed if paths.exists(paths.join(ckpts.directory, str(s), "commit_success.txt"))]
     return cli.Failure(
         f"could not write {what} to {ckpts.directory} ({reason}); stopping. The last good "
         f"checkpoint (step {good[-1] if good else 'none'}) is intact; free space or fix the directory's "
@@ -516,7 +548,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
         except Exception as err:  # noqa: BLE001
             raise save_failure(ckpts, err) from None
 
-    def save(step):
+    def save(step, timer=False):
         flush()  # never save parameters that produced a non-finite loss,
         if not bool(all_finite(state)):  # nor non-finite ones behind a finite loss (an inf lr, a preemption)
             raise NonFiniteLoss(
@@ -525,10 +557,11 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
             )
         began = time.perf_counter()
         try:
-            ckpts.save(step, state, batches.get_state(), cfg.to_json())
+            ckpts.save(step, state, batches.get_state(), cfg.to_json(), timer=timer)
         except Exception as err:  # noqa: BLE001 - a failed write (full disk, read-only, quota)
             raise save_failure(ckpts, err) from None
         paused["checkpoint_s"] += time.perf_counter() - began
+        save_timer.restart()
 
     def wait():
         try:
@@ -545,6 +578,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
         return result
 
     held["stepping"] = True
+    save_timer = SaveTimer(cfg.train.checkpoint_minutes)
     with Preemption() as preempt:
         if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
             validate(0)
@@ -568,6 +602,8 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
                 validate(step)
             if step % cfg.train.checkpoint_every == 0 or step == run.steps:
                 save(step)
+            elif step % cfg.train.log_every == 0 and save_timer.due():
+                save(step, timer=True)
             if preempt.reached(step) and step != run.steps:
                 save(step)
                 wait()
