@@ -119,7 +119,9 @@ def tensorboard_records(step: int, metrics: dict, wall_time: float, first: bool 
 
 
 class MetricsLog:
-    """metrics.jsonl (one JSON object per logged step) and TensorBoard events, from process 0 only.
+    """metrics.jsonl (one JSON object per logged step) and TensorBoard events, from process 0 only,
+    and every logged step fanned out to the other loggers the config asks for (`self.others`:
+    Weights & Biases with train.wandb_project, `wandb_log.WandbLog`).
 
     Both are written alike, on the calling thread: one append per logged step (`paths.Appender`:
     no torn line or record, locally or in a bucket), and a failed append (a full disk) stops the
@@ -129,7 +131,7 @@ class MetricsLog:
     A torn last line of metrics.jsonl left by an older version or a crash is removed when a run
     resumes, and the restart is marked by a line `{"step": S, "restart": true}`."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, cfg=None):
         import socket
 
         self.primary = jax.process_index() == 0
@@ -137,6 +139,7 @@ class MetricsLog:
         self.tb_path = paths.join(workdir, "tensorboard", f"events.out.tfevents.{int(time.time())}."
                                                           f"{socket.gethostname()}.{os.getpid()}")
         self.file = self.tb = None
+        self.others = []  # each with write(step, metrics) and close() (never raising)
         if self.primary:
             try:
                 self.file = paths.Appender(self.path)
@@ -144,6 +147,14 @@ class MetricsLog:
             except OSError as err:
                 raise cli.Failure(f"cannot write {self.path} ({err.strerror or err}); make the workdir "
                                   "writable (or free space), then rerun the same command") from None
+            if cfg is not None and cfg.train.wandb_project:
+                from onona_jax.train.wandb_log import WandbLog
+
+                try:
+                    self.others.append(WandbLog(cfg, workdir))
+                except BaseException:
+                    self.close()  # (no caller holds this log yet to close it)
+                    raise
 
     def _repair(self) -> bool:
         """Cut a torn last line (no newline); True when the file already held lines."""
@@ -180,6 +191,8 @@ class MetricsLog:
             return
         self._append((json.dumps({"step": step, **metrics}) + "\n").encode())
         self._append(tensorboard_records(step, metrics, time.time(), first=self.tb is None), tensorboard=True)
+        for other in self.others:
+            other.write(step, metrics)
 
     def close(self):
         """Never raises: every logged step is already written whole."""
@@ -190,6 +203,9 @@ class MetricsLog:
                 except OSError:
                     pass
         self.file = self.tb = None
+        for other in self.others:
+            other.close()
+        self.others = []
 
 
 def check_writable(directory: str):
@@ -322,7 +338,8 @@ def save_failure(ckpts, err) -> cli.Failure:
 
 # What a start creates directly under the workdir (`_run`, before its first step; the lock's files
 # are the lock's), removed again when that start is refused (`_remove_new`).
-STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "tensorboard")
+STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "tensorboard",
+                   "wandb", "wandb_id")
 
 
 def _entries(workdir: str) -> set[str] | None:
@@ -502,7 +519,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_tflops(cfg)
-    log = held["log"] = MetricsLog(workdir)
+    log = held["log"] = MetricsLog(workdir, cfg)
     log.restart(start)
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
