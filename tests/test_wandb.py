@@ -122,9 +122,15 @@ def test_wandb_logs_the_scalars_and_resumes_the_same_run(tiny_data, tmp_path, mo
         assert r["config"]["train"]["wandb_project"] == "onona-test"
 
 
-def test_wandb_without_the_package_is_refused_before_any_write(tiny_data, tmp_path, monkeypatch):
+def test_wandb_without_the_package_is_refused_before_any_write(tiny_data, tmp_path, monkeypatch, capfd):
+    import train as train_cli
     from test_bad_input import assert_rejected
+    from test_reliability import argv, errors
 
-    cfg = config(tiny_data)
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import and find_spec fail
-    assert_rejected(cfg, tmp_path, "train.wandb_project='onona-test'", "pip install -e '.[wandb]'")
+    assert_rejected(config(tiny_data), tmp_path, "train.wandb_project='onona-test'", "pip install -e '.[wandb]'")
+    workdir = tmp_path / "wd"
+    assert train_cli.main(argv(tiny_data, workdir, **{"train.wandb_project": "onona-test"})) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert "needs the wandb package, which is not installed: pip install -e '.[wandb]'" in line, line
+    assert not workdir.exists()
