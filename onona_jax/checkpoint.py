@@ -279,7 +279,7 @@ class KeepScheduled(ocp.checkpoint_managers.PreservationPolicy):
     keep: int
 
     def should_preserve(self, checkpoints, *, context):
-        scheduled = [c.step for c in checkpoints if not _timer_flag(c.metrics)]
+        scheduled = sorted(c.step for c in checkpoints if not _timer_flag(c.metrics))
         kept = set(scheduled[-self.keep:]) | {max((c.step for c in checkpoints), default=None)}
         return [c.step in kept for c in checkpoints]
 
