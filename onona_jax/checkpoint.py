@@ -1,4 +1,6 @@
-"""Orbax checkpoints: train state, data-iterator state and config, every N steps.
+"""Orbax checkpoints: train state, data-iterator state and config, every N steps, and on a
+timer if asked (train.checkpoint_minutes); a timer save is kept only until a later save is
+complete (`KeepScheduled`).
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
 checkpoint either exists whole or not at all. Restoring tries the newest step first; if it
@@ -23,6 +25,7 @@ the marker first, so a step is never lost and never half-listed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -255,6 +258,32 @@ def quiet():
             lg.setLevel(level)
 
 
+def _timer_flag(metrics) -> float:
+    """1.0 for a timer save's step metrics, 0.0 for a scheduled save's (and for a step saved
+    before timer saves existed: no `metrics` item, None)."""
+    return float(bool((metrics or {}).get("timer")))
+
+
+@dataclasses.dataclass
+class KeepScheduled(ocp.checkpoint_managers.PreservationPolicy):
+    """Which steps a save keeps (levanter's policy): the newest `keep` scheduled saves
+    (train.checkpoint_every, the last step, a pre-emption's) and the newest save whatever it
+    is. So a timer save (train.checkpoint_minutes) lives until a later save, timer or
+    scheduled, is complete, and never costs a scheduled one its place.
+
+    Orbax asks this at `save(step)` with `step` listed last, and deletes what it does not keep
+    only after `step` is committed (its finalize thread): a failed save deletes nothing, so the
+    newest whole checkpoint is never lost. Every process decides alike, from the steps' saved
+    `metrics` and the saves of this run."""
+
+    keep: int
+
+    def should_preserve(self, checkpoints, *, context):
+        scheduled = sorted(c.step for c in checkpoints if not _timer_flag(c.metrics))
+        kept = set(scheduled[-self.keep:]) | {max((c.step for c in checkpoints), default=None)}
+        return [c.step in kept for c in checkpoints]
+
+
 class Checkpoints:
     def __init__(self, directory, keep: int = 3, read_only: bool = False):
         if paths.is_cloud(directory):
@@ -267,7 +296,10 @@ class Checkpoints:
             self.directory,
             item_names=("state", "data", "config"),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=not read_only, read_only=read_only,
+                preservation_policy=KeepScheduled(keep), create=not read_only, read_only=read_only,
+                # Orbax writes a step's `metrics` item (here {"timer": 0|1}: `save`) only when a
+                # best_fn is set; this one is never used to rank (KeepScheduled decides what goes).
+                best_fn=_timer_flag,
                 # The step's temporary directories are made inside save(), on the caller's thread,
                 # so a read-only or full checkpoints/ fails there. Made asynchronously (Orbax's
                 # default), a failed mkdir leaves every writer thread waiting 300 s
@@ -284,10 +316,12 @@ class Checkpoints:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state, data_state: dict, config_json: str):
+    def save(self, step: int, state, data_state: dict, config_json: str, timer: bool = False):
         """Start writing `step` (the arrays are written in the background). Raises the error of
         the previous save if that one failed, or of this one's synchronous part: `saved` is the
-        step whose save failed, whichever raises (as for `wait` and `check`)."""
+        step whose save failed, whichever raises (as for `wait` and `check`). `timer`: a save
+        of train.checkpoint_minutes, marked so in the step (`KeepScheduled` deletes it once a
+        later save is complete, in this run or a resumed one)."""
         self.manager.wait_until_finished()  # (Orbax's save starts with it too)
         self.saved = step
         self.manager.save(
@@ -297,7 +331,12 @@ class Checkpoints:
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(json.loads(config_json)),
             ),
+            metrics={"timer": int(timer)},
         )
+
+    def timer_steps(self) -> list[int]:
+        """The steps saved by train.checkpoint_minutes' timer (their `metrics` item says so)."""
+        return [s for s in self.steps() if _timer_flag(self.manager.metrics(s))]
 
     def wait(self):
         self.manager.wait_until_finished()

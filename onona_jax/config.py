@@ -101,7 +101,12 @@ def base_config() -> ml_collections.ConfigDict:
     t.log_every = 10
     t.eval_every = 500
     t.checkpoint_every = 1000
-    t.keep_checkpoints = 3
+    t.keep_checkpoints = 3  # of the scheduled saves; a timer save lives until the next save is complete
+    # Minutes between timer saves, besides checkpoint_every's, checked at logged steps; 0 = none.
+    # Off by default: a pre-emption notice (SIGTERM) already saves; the timer is for runs whose
+    # checkpoint_every spans more wall-clock than a crash without notice may cost (e.g. 10 on a pod).
+    t.checkpoint_minutes = 0.0
+    t.wandb_project = ""  # Weights & Biases project to log to as well ("" = TensorBoard only); `[wandb]` extra
     t.peak_tflops = 0.0  # per device, for MFU; 0: look up from the device kind
 
     c.data = dt = ml_collections.ConfigDict()
@@ -239,6 +244,11 @@ def _validate_training(cfg, need, defaults):
          "or 0 (no clipping); a negative one reverses the gradient")
     for key in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
         need(t[key] > 0, f"train.{key}={t[key]} must be positive (a number of steps, or checkpoints kept)")
+    need(t.checkpoint_minutes >= 0, f"train.checkpoint_minutes={t.checkpoint_minutes} must be positive (minutes "
+         "between timer saves, besides train.checkpoint_every's) or 0 (no timer saves)")
+    need(not t.wandb_project or importlib.util.find_spec("wandb") is not None,
+         f"train.wandb_project={t.wandb_project!r} needs the wandb package, which is not installed: "
+         "pip install -e '.[wandb]' (or train.wandb_project='' to log to TensorBoard only)")
     need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be positive (per device, for MFU) "
          "or 0 (looked up from the device kind)")
 
@@ -255,6 +265,7 @@ RESUMABLE_KEYS = (
     "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)
     "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (loop.check_same_data)
     "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.checkpoint_minutes", "train.wandb_project",  # when to save, where else to log
     "train.peak_tflops",     # MFU's denominator
     "train.micro_batch",     # gradient accumulation: the same global batch in other slices
     "eval.batch",            # rows per validation batch

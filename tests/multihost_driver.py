@@ -12,8 +12,14 @@ wraps two functions of this process only (no package code changes):
   patch of one module misses: that once made this test record nothing), and the record is
   refused unless it holds one batch per step.
 
+- `Checkpoints.save`: the steps this process saved, and which were timer saves;
+- with ONONA_TEST_STEP_SECONDS=<s>, `loop.timer_clock` (train.checkpoint_minutes' clock): on
+  process 0 it advances <s> seconds per step fed, on every other process it stands still, so
+  a timer save happens at all only if every process takes process 0's decision.
+
 On exit it writes `<dir>/record-<process index>.npz` with `ids`, `fed` [steps, rows, T+1],
-`rows` [steps, rows], `process_index`, `process_count`, `local_devices`, `devices`.
+`rows` [steps, rows], `saves` and `timer_saves`, `process_index`, `process_count`,
+`local_devices`, `devices`.
 """
 
 import os
@@ -40,11 +46,14 @@ def replace_everywhere(original, replacement) -> list[str]:
 
 
 def install_hooks():
+    import jax
+
     import onona_jax.train  # noqa: F401 - loads every module that may bind global_batch
+    from onona_jax.checkpoint import Checkpoints
     from onona_jax.data import pipeline
     from onona_jax.train import loop, step
 
-    record = {"ids": [], "fed": [], "rows": []}
+    record = {"ids": [], "fed": [], "rows": [], "saves": [], "timer_saves": []}
     lock = threading.Lock()  # grain reads on its own thread(s)
     get_window = pipeline.WindowSource.__getitem__
 
@@ -64,6 +73,20 @@ def install_hooks():
         record["rows"].append(rows)
         return arr
 
+    save = Checkpoints.save
+
+    def recording_save(self, step_, *args, timer=False):
+        record["saves"].append(step_)
+        if timer:
+            record["timer_saves"].append(step_)
+        return save(self, step_, *args, timer=timer)
+
+    if "ONONA_TEST_STEP_SECONDS" in os.environ:
+        tick = float(os.environ["ONONA_TEST_STEP_SECONDS"])
+        # (jax.process_index() only once train.py has joined the processes: asked at each call)
+        loop.timer_clock = lambda: tick * len(record["fed"]) if jax.process_index() == 0 else 0.0
+
+    Checkpoints.save = recording_save
     pipeline.WindowSource.__getitem__ = recording_getitem
     rebound = replace_everywhere(make_global, recording_global_batch)
     if loop.global_batch is not recording_global_batch:  # the name the training loop calls
@@ -83,6 +106,8 @@ def write(record, out_dir, steps: int):
         ids=np.array(record["ids"], np.int64),
         fed=np.stack(record["fed"]) if record["fed"] else np.zeros((0, 0, 0), np.int32),
         rows=np.array(record["rows"], np.int64).reshape(len(record["rows"]), -1),
+        saves=np.array(record["saves"], np.int64),
+        timer_saves=np.array(record["timer_saves"], np.int64),
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         local_devices=jax.local_device_count(),

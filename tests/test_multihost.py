@@ -66,7 +66,7 @@ def tail(path, chars=4000) -> str:
 class Launch:
     """`processes` copies of the driver, 8 // processes devices each; waits, kills leftovers."""
 
-    def __init__(self, root, name: str, mesh, data_dir: str, processes: int):
+    def __init__(self, root, name: str, mesh, data_dir: str, processes: int, flags=(), extra_env=None):
         self.workdir = root / name
         self.record_dir = root / f"{name}-record"
         self.record_dir.mkdir(parents=True)
@@ -75,11 +75,11 @@ class Launch:
                if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                             "ONONA_DISTRIBUTED")}
         env.update(JAX_PLATFORMS="cpu", ONONA_TEST_RECORD=str(self.record_dir), ONONA_TEST_STEPS=str(STEPS),
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}", **(extra_env or {}))
         if processes > 1:
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
                        JAX_NUM_PROCESSES=str(processes))
-        cmd = [sys.executable, DRIVER, *train_flags(data_dir, str(self.workdir), mesh)]
+        cmd = [sys.executable, DRIVER, *train_flags(data_dir, str(self.workdir), mesh), *flags]
         procs, files = [], []
         try:
             for p, (out, err) in enumerate(self.logs):
@@ -201,3 +201,18 @@ def test_two_processes_train_like_one(tiny_data, reference, tmp_path, mesh):
         printed = re.search(r"final step (\d+): val_loss=([0-9.]+)", out)
         assert printed and int(printed[1]) == STEPS, ctx
         assert float(printed[2]) == pytest.approx(ev["val_loss"], abs=1e-4)
+
+
+def test_two_processes_take_process_0s_timer_save(tiny_data, reference, tmp_path):
+    """train.checkpoint_minutes on two processes whose clocks disagree (the driver's: process 0's
+    advances a minute per step, process 1's stands still): both save on process 0's timer after
+    step 2, together (a save is a collective: had process 1 decided alone, process 0 would wait
+    for it in Orbax's save until the test's timeout), and the timer save is deleted once the
+    scheduled save of step 3 is complete. The losses are the single process's."""
+    two = Launch(tmp_path, "timer", (8, 1, 1), tiny_data, processes=2,
+                 flags=["--config.train.checkpoint_minutes=1.5"], extra_env={"ONONA_TEST_STEP_SECONDS": "60"})
+    ctx = two.describe()
+    for p, rec in enumerate(two.records):
+        assert rec["saves"].tolist() == [2, 3] and rec["timer_saves"].tolist() == [2], (p, ctx)
+    assert sorted(n for n in os.listdir(two.workdir / "checkpoints") if n.isdigit()) == ["3"], ctx
+    np.testing.assert_allclose(two.losses(), reference.losses(), rtol=1e-5, err_msg=ctx)

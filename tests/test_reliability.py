@@ -1035,6 +1035,9 @@ BAD_VALUES = [
     ({"train.log_every": 0}, "train.log_every=0 must be positive"),
     ({"train.eval_every": 0}, "train.eval_every=0 must be positive"),
     ({"train.keep_checkpoints": 0}, "train.keep_checkpoints=0 must be positive"),
+    ({"train.checkpoint_minutes": -1}, "train.checkpoint_minutes=-1.0 must be positive (minutes between timer "
+     "saves, besides train.checkpoint_every's) or 0 (no timer saves)"),
+    ({"train.checkpoint_minutes": "nan"}, "train.checkpoint_minutes=nan is not a finite number"),
     ({"train.peak_tflops": -1}, "train.peak_tflops=-1.0 must be positive (per device, for MFU) or 0"),
     ({"model.rope_theta": 0}, "model.rope_theta=0.0 must be positive"),
     ({"model.norm_eps": -1e-6}, "model.norm_eps=-1e-06 must be positive"),

@@ -42,6 +42,35 @@ class NonFiniteLoss(cli.Failure):
     """A non-finite loss or state: the run stops, the last good checkpoint untouched."""
 
 
+# The clock of train.checkpoint_minutes (a module attribute, so a test can run a run on a clock
+# of its own: tests/multihost_driver.py).
+timer_clock = time.monotonic
+
+
+class SaveTimer:
+    """train.checkpoint_minutes: whether a timer save is due, asked at logged steps only. Process
+    0's clock decides and every process gets its answer (one broadcast of a scalar per logged
+    step, beside that step's metrics transfer), so all of them save the same steps: a save is a
+    collective. Restarted by every save, timer or scheduled."""
+
+    def __init__(self, minutes: float):
+        self.seconds = 60.0 * minutes
+        self.restart()
+
+    def restart(self):
+        self.last = timer_clock()
+
+    def due(self) -> bool:
+        if not self.seconds:
+            return False
+        due = timer_clock() - self.last >= self.seconds
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        return due
+
+
 class Preemption:
     """SIGTERM sets a flag; the loop saves a checkpoint after the step in flight and exits."""
 
@@ -90,7 +119,9 @@ def tensorboard_records(step: int, metrics: dict, wall_time: float, first: bool 
 
 
 class MetricsLog:
-    """metrics.jsonl (one JSON object per logged step) and TensorBoard events, from process 0 only.
+    """metrics.jsonl (one JSON object per logged step) and TensorBoard events, from process 0 only,
+    and every logged step fanned out to the other loggers the config asks for (`self.others`:
+    Weights & Biases with train.wandb_project, `wandb_log.WandbLog`).
 
     Both are written alike, on the calling thread: one append per logged step (`paths.Appender`:
     no torn line or record, locally or in a bucket), and a failed append (a full disk) stops the
@@ -100,7 +131,7 @@ class MetricsLog:
     A torn last line of metrics.jsonl left by an older version or a crash is removed when a run
     resumes, and the restart is marked by a line `{"step": S, "restart": true}`."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, cfg=None):
         import socket
 
         self.primary = jax.process_index() == 0
@@ -108,6 +139,7 @@ class MetricsLog:
         self.tb_path = paths.join(workdir, "tensorboard", f"events.out.tfevents.{int(time.time())}."
                                                           f"{socket.gethostname()}.{os.getpid()}")
         self.file = self.tb = None
+        self.others = []  # each with write(step, metrics) and close() (never raising)
         if self.primary:
             try:
                 self.file = paths.Appender(self.path)
@@ -115,6 +147,14 @@ class MetricsLog:
             except OSError as err:
                 raise cli.Failure(f"cannot write {self.path} ({err.strerror or err}); make the workdir "
                                   "writable (or free space), then rerun the same command") from None
+            if cfg is not None and cfg.train.wandb_project:
+                from onona_jax.train.wandb_log import WandbLog
+
+                try:
+                    self.others.append(WandbLog(cfg, workdir))
+                except BaseException:
+                    self.close()  # (no caller holds this log yet to close it)
+                    raise
 
     def _repair(self) -> bool:
         """Cut a torn last line (no newline); True when the file already held lines."""
@@ -151,6 +191,8 @@ class MetricsLog:
             return
         self._append((json.dumps({"step": step, **metrics}) + "\n").encode())
         self._append(tensorboard_records(step, metrics, time.time(), first=self.tb is None), tensorboard=True)
+        for other in self.others:
+            other.write(step, metrics)
 
     def close(self):
         """Never raises: every logged step is already written whole."""
@@ -161,6 +203,9 @@ class MetricsLog:
                 except OSError:
                     pass
         self.file = self.tb = None
+        for other in self.others:
+            other.close()
+        self.others = []
 
 
 def check_writable(directory: str):
@@ -280,7 +325,10 @@ def save_failure(ckpts, err) -> cli.Failure:
     code = re.search(r"os_error_code='(\d+)'", str(err))  # TensorStore's: the OS's reason first, before its paths
     if code:
         reason = f"{os.strerror(int(code.group(1)))}; {reason}"
-    good = [s for s in ckpts.steps() if paths.exists(paths.join(ckpts.directory, str(s), "commit_success.txt"))]
+    # Listed afresh: Orbax drops the steps a save will rotate away from its list when the save
+    # starts, though they stay until it is complete (a timer save just before, say).
+    listed = sorted(int(p.name) for p in ckpts.directory.iterdir() if p.name.isdigit())
+    good = [s for s in listed if paths.exists(paths.join(ckpts.directory, str(s), "commit_success.txt"))]
     return cli.Failure(
         f"could not write {what} to {ckpts.directory} ({reason}); stopping. The last good "
         f"checkpoint (step {good[-1] if good else 'none'}) is intact; free space or fix the directory's "
@@ -290,7 +338,8 @@ def save_failure(ckpts, err) -> cli.Failure:
 
 # What a start creates directly under the workdir (`_run`, before its first step; the lock's files
 # are the lock's), removed again when that start is refused (`_remove_new`).
-STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "tensorboard")
+STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "tensorboard",
+                   "wandb", "wandb_id")
 
 
 def _entries(workdir: str) -> set[str] | None:
@@ -470,7 +519,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_tflops(cfg)
-    log = held["log"] = MetricsLog(workdir)
+    log = held["log"] = MetricsLog(workdir, cfg)
     log.restart(start)
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
@@ -516,7 +565,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
         except Exception as err:  # noqa: BLE001
             raise save_failure(ckpts, err) from None
 
-    def save(step):
+    def save(step, timer=False):
         flush()  # never save parameters that produced a non-finite loss,
         if not bool(all_finite(state)):  # nor non-finite ones behind a finite loss (an inf lr, a preemption)
             raise NonFiniteLoss(
@@ -525,10 +574,11 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
             )
         began = time.perf_counter()
         try:
-            ckpts.save(step, state, batches.get_state(), cfg.to_json())
+            ckpts.save(step, state, batches.get_state(), cfg.to_json(), timer=timer)
         except Exception as err:  # noqa: BLE001 - a failed write (full disk, read-only, quota)
             raise save_failure(ckpts, err) from None
         paused["checkpoint_s"] += time.perf_counter() - began
+        save_timer.restart()
 
     def wait():
         try:
@@ -545,6 +595,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
         return result
 
     held["stepping"] = True
+    save_timer = SaveTimer(cfg.train.checkpoint_minutes)
     with Preemption() as preempt:
         if start == 0 and cfg.init_from:  # the upcycled model's starting point, logged
             validate(0)
@@ -568,6 +619,8 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
                 validate(step)
             if step % cfg.train.checkpoint_every == 0 or step == run.steps:
                 save(step)
+            elif step % cfg.train.log_every == 0 and save_timer.due():
+                save(step, timer=True)
             if preempt.reached(step) and step != run.steps:
                 save(step)
                 wait()
