@@ -427,23 +427,27 @@ def format_time(tm) -> str:
 # ----------------------------------------------------------------------------- data
 
 
-def bench_data(shapes, consumption, flops_142m_twin, log, batches=20):
-    """tokens/s of the training batch iterator at each (label, seq_len, global_batch)."""
+def bench_data(shapes, consumption, flops_142m_twin, log, batches=20, threads=(1,)):
+    """tokens/s of the training batch iterator at each (label, seq_len, global_batch) and each
+    data.read_threads (prefetch = max(2, threads), the least the config accepts above 2)."""
     from onona_jax.data import pipeline
 
     out = {"rows": {}}
     for label, seq, gb in shapes:
         data_dir = prepared_data(seq)
-        it = pipeline.train_batches(data_dir, seq, gb)
-        next(it)  # start-up and the first prefetch
-        t0 = time.perf_counter()
-        for _ in range(batches):
-            b = next(it)
-        dt = time.perf_counter() - t0
-        assert b.shape == (gb, seq + 1)
-        out["rows"][label] = {"seq_len": seq, "global_batch": gb, "batches": batches,
-                              "tokens_per_s": batches * gb * seq / dt}
-        log(f"  data {label}: {out['rows'][label]['tokens_per_s']:,.0f} tokens/s")
+        for n in threads:
+            it = pipeline.train_batches(data_dir, seq, gb, read_threads=n, prefetch=max(2, n))
+            next(it)  # start-up and the first prefetch
+            t0 = time.perf_counter()
+            for _ in range(batches):
+                b = next(it)
+            dt = time.perf_counter() - t0
+            assert b.shape == (gb, seq + 1)
+            row = f"{label}, {n} read threads"
+            out["rows"][row] = {"seq_len": seq, "global_batch": gb, "read_threads": n, "prefetch": max(2, n),
+                                "batches": batches, "batches_per_s": batches / dt,
+                                "tokens_per_s": batches * gb * seq / dt}
+            log(f"  data {row}: {out['rows'][row]['tokens_per_s']:,.0f} tokens/s")
     h200 = H200_TARGET_MFU * chips.CHIPS["h200"].peak_tflops * 1e12 / flops_142m_twin
     out["needs"] = {"fastest_measured_step": consumption,
                     "paper_142m_twin_2xH100": PAPER_142M_TWIN_TOKENS_PER_S,
@@ -457,13 +461,14 @@ def bench_data(shapes, consumption, flops_142m_twin, log, batches=20):
 
 
 def format_data(dt) -> str:
-    lines = ["Data pipeline (train_batches over the bundled corpus, one read thread, prefetch 2)"]
+    lines = ["Data pipeline (train_batches over the bundled corpus; prefetch = max(2, read threads))"]
     for label, r in dt["rows"].items():
-        lines.append(f"  {label:<28} {r['global_batch']:>4} × {r['seq_len']:<5} {r['tokens_per_s']:>14,.0f} tokens/s")
+        lines.append(f"  {label:<40} {r['global_batch']:>4} × {r['seq_len']:<5} {r['batches_per_s']:>10,.1f} "
+                     f"batches/s {r['tokens_per_s']:>14,.0f} tokens/s")
     for need, v in dt["needs"].items():
         lines.append(f"    consumption {need:<34} {v:>12,.0f} tokens/s" if v else f"    consumption {need}: n/a")
     for k, v in dt["ratios"].items():
-        lines.append(f"    {k:<64} {v:>10.1f} ×")
+        lines.append(f"    {k:<76} {v:>10.1f} ×")
     return "\n".join(lines)
 
 
@@ -595,6 +600,7 @@ def define(fv, argv):
                         flag_values=fv)
     flags.DEFINE_string("remat", "none", "comma list of model.remat for the memory table", flag_values=fv)
     flags.DEFINE_string("sections", ",".join(SECTIONS), "sections to run", flag_values=fv)
+    flags.DEFINE_string("data_threads", "0,1,4", "data section: the data.read_threads to time", flag_values=fv)
     flags.DEFINE_bool("compiled_flops", True, "FLOPs of the compiled module too (--nocompiled_flops: the "
                       "lowered one only)", flag_values=fv)
     flags.DEFINE_string("output", "bench.json", "JSON of every figure", flag_values=fv)
@@ -652,7 +658,8 @@ def _main(fv, rest, argv):
                    t.get("batch", probe.train.global_batch)),
                   (f"{args.size} global batch", big.data.seq_len, big.train.global_batch)]
         flops_142m = model_flops_per_token(make_config("142m", "twin"))
-        res["data"] = bench_data(shapes, consumption, flops_142m, log)
+        threads = [int(n) for n in args.data_threads.split(",") if n]
+        res["data"] = bench_data(shapes, consumption, flops_142m, log, threads=threads)
         tables.append(format_data(res["data"]))
     if "decode" in sections:
         res["decode"] = bench_decode(args.time_size, min(max(args.steps, 3), 10), log)

@@ -114,6 +114,10 @@ def base_config() -> ml_collections.ConfigDict:
     dt.cache_dir = ""  # local copy of a bucket data.dir's shards; "" = <system temp dir>/onona-data-cache
     dt.seq_len = 1024
     dt.seed = 0
+    # grain's reads: threads per process (0 = in the training loop's own thread) and batches
+    # read ahead. The batches do not depend on either (grain keeps the order).
+    dt.read_threads = 1
+    dt.prefetch = 2
 
     c.eval = e = ml_collections.ConfigDict()
     e.windows = 1024
@@ -221,6 +225,13 @@ def _validate_training(cfg, need, defaults):
     # jax.random.key and the data order take 32 bits (key(2**32) is key(0)).
     need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must lie in [0, 2**32)")
     need(0 <= cfg.data.seed < 2**32, f"data.seed={cfg.data.seed} must lie in [0, 2**32)")
+    for key in ("read_threads", "prefetch"):
+        need(isinstance(cfg.data[key], int) and cfg.data[key] >= 0,
+             f"data.{key}={cfg.data[key]} must be an integer ≥ 0 (read threads per process, 0 = the loop's own "
+             "thread; batches read ahead, 0 = none)")
+    need(cfg.data.prefetch == 0 or cfg.data.prefetch >= cfg.data.read_threads,
+         f"data.prefetch={cfg.data.prefetch} is below data.read_threads={cfg.data.read_threads}: grain reads at "
+         "most as many batches at once as it buffers; raise data.prefetch to at least data.read_threads")
     t = cfg.train
     need(t.steps >= 0, f"train.steps={t.steps} must be positive (or 0: derived from train.tokens_per_param)")
     need(t.steps > 0 or t.tokens_per_param > 0,
@@ -264,6 +275,7 @@ RESUMABLE_KEYS = (
     "name",                  # a label
     "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)
     "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (loop.check_same_data)
+    "data.read_threads", "data.prefetch",  # how the batches are read, not which
     "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.checkpoint_minutes", "train.wandb_project",  # when to save, where else to log
     "train.peak_tflops",     # MFU's denominator

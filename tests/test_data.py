@@ -335,6 +335,34 @@ def test_resume_from_state_and_start_step(big):
         train_batches(big, seq_len, G, seed=2).set_state(state)
 
 
+@pytest.mark.parametrize("read_threads,prefetch", [(0, 0), (4, 4), (8, 32)])
+def test_read_threads_and_prefetch_keep_the_batches(big, read_threads, prefetch):
+    """data.read_threads and data.prefetch change how batches are read, never which (grain
+    keeps the order), so they are resumable keys: the same 30 batches as one thread and
+    prefetch 2, and a resume from a state saved at another setting continues the stream."""
+    seq_len, G = 16, 8
+    ref = take(train_batches(big, seq_len, G, seed=3), 30)
+    it = train_batches(big, seq_len, G, seed=3, read_threads=read_threads, prefetch=prefetch)
+    assert all(np.array_equal(a, b) for a, b in zip(take(it, 20), ref))
+    resumed = train_batches(big, seq_len, G, seed=3)
+    resumed.set_state(it.get_state())
+    assert all(np.array_equal(a, b) for a, b in zip(take(resumed, 10), ref[20:]))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("read_threads", -1, "data.read_threads=-1 must be an integer ≥ 0"),
+    ("prefetch", -3, "data.prefetch=-3 must be an integer ≥ 0"),
+    ("read_threads", 8, "data.prefetch=2 is below data.read_threads=8"),
+])
+def test_bad_read_options_name_the_key(key, value, message):
+    from onona_jax import config
+
+    cfg = config.load(f"{REPO}/configs/paper.py:dense-tiny-twin")
+    cfg.data[key] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config.validate(cfg)
+
+
 # ---------------------------------------------------------------- validation windows
 
 

@@ -502,6 +502,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     batches = pipeline.train_batches(
         data_dir, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
         process_index=jax.process_index(), process_count=jax.process_count(), cache_dir=cache,
+        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
     )
     if restored is None:
         start, state = 0, init_state(run, cfg.seed)
