@@ -1020,6 +1020,10 @@ def _main(FLAGS, rest):
                                  f"(a positive count); {s.name} is {'a GPU host' if s.platform == 'gpu' else 'a TPU slice'}")
         s = dataclasses.replace(s, slices=cfg.mesh.slices)
     config_lib.validate(cfg)
+    from onona_jax import platform
+
+    # The same cache as training: a second plan of the same config loads its compiled step.
+    platform.use_compile_cache(cfg.train.compile_cache, cfg.train.compile_cache_min_s)
     if FLAGS.compare_head:
         config_lib.validate(_with(cfg, **{"model.head": FLAGS.compare_head}))
     missing = compiler_missing(s) or cudnn_missing(cfg, s)
