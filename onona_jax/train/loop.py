@@ -545,7 +545,8 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
     # Seconds of the current log interval that were not training (the first step's compile, a
-    # validation, a checkpoint's device-to-host copy): kept out of tokens/s and MFU, logged apart.
+    # validation, a checkpoint's device-to-host copy, writing a profile): kept out of tokens/s and MFU,
+    # logged apart.
     paused = {"compile_s": 0.0, "validation_s": 0.0, "checkpoint_s": 0.0, "profile_s": 0.0}
     # Seconds of the interval's training time spent waiting for the next batch (the iterator and
     # the host-to-device copy): counted in tokens/s (an input-bound run is that slow), logged apart
