@@ -174,3 +174,16 @@ def test_first_interval_excludes_compile_and_logs_data_wait_apart(tiny_data, tmp
         assert r["tokens_per_s"] * (r["step_s"] + r["data_wait_s"]) == pytest.approx(tokens_per_step, rel=1e-6)
         assert r["step_s"] + r["data_wait_s"] < 2.0, r  # the first step's 2 s of compile are not in it
         assert "compile_cache_hits" not in r  # the cache is off (conftest)
+
+
+def test_profile_of_a_bucket_workdir_is_uploaded(tiny_data, fake_gcs):
+    """A bucket workdir's trace is written locally and uploaded under <workdir>/profile/."""
+    from onona_jax import paths
+
+    workdir = f"{fake_gcs}/run"
+    cfg = tiny_config(tiny_data, "standard", steps=2, profile_start=2, profile_steps=1)
+    cfg.mesh.data = 1
+    trainer.train(cfg, workdir, devices=ONE, progress=False)
+    traces = [str(p) for p in paths.path(f"{workdir}/profile").glob("plugins/profile/*/*.xplane.pb")]
+    assert len(traces) == 1, traces
+    assert b"jit_train_step" in paths.read_bytes(traces[0])
