@@ -40,6 +40,8 @@ def define(fv, argv):
     flags.DEFINE_integer("mmlu_shots", 5, "MMLU few-shot examples from the dev split (up to this many)",
                          flag_values=fv)
     flags.DEFINE_integer("limit", None, "score only the first N examples of each task (quick checks)", flag_values=fv)
+    flags.DEFINE_string("compile_cache", None, "JAX's persistent compilation cache: a directory or bucket URL, "
+                        "'' for none (default: train.compile_cache's default, README)", flag_values=fv)
 
 
 def parse_task_data(items) -> dict:
@@ -85,6 +87,10 @@ def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
     cli.check_output_file(fv.output, "eval.json")  # before the evaluation, not after it
+    from onona_jax import platform
+
+    cache = platform.default_compile_cache() if fv.compile_cache is None else fv.compile_cache
+    platform.use_compile_cache(cache, key="--compile_cache")  # before the evaluation compiles
     result = evaluate(fv.workdir, fv.step, cli.mesh(fv), fv.tasks, parse_task_data(fv.task_data),
                       fv.task_data_dir, fv.task_batch, fv.max_length, fv.mmlu_shots, fv.limit)
     from onona_jax.eval import validation

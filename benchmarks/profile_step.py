@@ -70,7 +70,7 @@ def main(argv):
         if e.get("ph") == "X" and "dur" in e:
             total[e["name"]] += e["dur"] / 1e3 / FLAGS.steps
             count[e["name"]] += 1
-    hlo = "".join(open(f).read() for f in glob.glob(f"{DUMP}/*jit_step.cpu_after_optimizations.txt"))
+    hlo = "".join(open(f).read() for f in glob.glob(f"{DUMP}/*jit_train_step.cpu_after_optimizations.txt"))
     print(f"{'ms/step':>8} {'calls':>5}  op  shape  source")
     shown = 0
     for name, ms in total.most_common():

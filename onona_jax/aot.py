@@ -1020,6 +1020,9 @@ def _main(FLAGS, rest):
                                  f"(a positive count); {s.name} is {'a GPU host' if s.platform == 'gpu' else 'a TPU slice'}")
         s = dataclasses.replace(s, slices=cfg.mesh.slices)
     config_lib.validate(cfg)
+    # No persistent compilation cache (train.compile_cache) here: a compile-only TPU client cannot
+    # load an executable back (jax 0.10.2 + libtpu 0.0.42.1: "PjRtCompiler must be constructed with
+    # a Client to call DeserializeLoadedExecutable"), so its entries would be written, never used.
     if FLAGS.compare_head:
         config_lib.validate(_with(cfg, **{"model.head": FLAGS.compare_head}))
     missing = compiler_missing(s) or cudnn_missing(cfg, s)

@@ -17,6 +17,7 @@ from onona_jax import attention
 from onona_jax import heads as heads_lib
 from onona_jax import layers
 from onona_jax import loss as loss_lib
+from onona_jax import platform
 from onona_jax import models
 from onona_jax.models import gdn
 
@@ -108,6 +109,15 @@ def base_config() -> ml_collections.ConfigDict:
     t.checkpoint_minutes = 0.0
     t.wandb_project = ""  # Weights & Biases project to log to as well ("" = TensorBoard only); `[wandb]` extra
     t.peak_tflops = 0.0  # per device, for MFU; 0: look up from the device kind
+    # JAX's persistent compilation cache: a restart (after a pre-emption) loads the compiled step
+    # instead of compiling it again. A local directory or a bucket URL; "" = off.
+    t.compile_cache = platform.default_compile_cache()
+    t.compile_cache_min_s = 1.0  # cache only programs that took this long to compile (not the small ones)
+    # A jax.profiler trace of steps profile_start .. profile_start + profile_steps - 1 into
+    # <workdir>/profile/ (TensorBoard's profile plugin, Perfetto); profile_start=0: no trace.
+    t.profile_start = 0
+    t.profile_steps = 3
+    t.profile_all_hosts = False  # False: process 0 alone traces
 
     c.data = dt = ml_collections.ConfigDict()
     dt.dir = ""  # prepared token shards; "" = the bundled corpus, prepared into the workdir; may be gs://...
@@ -262,6 +272,15 @@ def _validate_training(cfg, need, defaults):
          "pip install -e '.[wandb]' (or train.wandb_project='' to log to TensorBoard only)")
     need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be positive (per device, for MFU) "
          "or 0 (looked up from the device kind)")
+    need(isinstance(t.compile_cache, str), f"train.compile_cache={t.compile_cache!r} must be a directory, a bucket "
+         "URL or '' (off)")
+    need(t.compile_cache_min_s >= 0, f"train.compile_cache_min_s={t.compile_cache_min_s} must be zero or positive "
+         "(seconds of compile below which a program is not cached)")
+    need(isinstance(t.profile_start, int) and t.profile_start >= 0,
+         f"train.profile_start={t.profile_start} must be a step number (the first step traced; 2 or later leaves "
+         "out the compile) or 0 (no trace)")
+    need(isinstance(t.profile_steps, int) and t.profile_steps >= 1,
+         f"train.profile_steps={t.profile_steps} must be a positive number of steps to trace")
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -279,6 +298,8 @@ RESUMABLE_KEYS = (
     "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.checkpoint_minutes", "train.wandb_project",  # when to save, where else to log
     "train.peak_tflops",     # MFU's denominator
+    "train.compile_cache", "train.compile_cache_min_s",  # where compiled programs are kept: not what they compute
+    "train.profile_start", "train.profile_steps", "train.profile_all_hosts",  # a trace, read-only
     "train.micro_batch",     # gradient accumulation: the same global batch in other slices
     "eval.batch",            # rows per validation batch
     "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.slices",  # checkpoints restore onto any mesh

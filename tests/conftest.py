@@ -5,6 +5,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache (train.compile_cache's default, onona_jax/platform.py): tests
+# never write to the user's cache, and every test compiles as it would on a fresh host. The
+# tests of the cache give a directory of their own. Subprocesses inherit this.
+os.environ["ONONA_COMPILE_CACHE"] = ""
 
 import jax  # noqa: E402
 

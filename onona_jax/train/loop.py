@@ -8,8 +8,10 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import jax
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from onona_jax import chips, cli, paths, summary
+from onona_jax import chips, cli, paths, platform, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.data import storage
 from onona_jax.eval.validation import Evaluator, variants
@@ -208,6 +210,62 @@ class MetricsLog:
         self.others = []
 
 
+class Profiler:
+    """A `jax.profiler` trace of steps train.profile_start .. + train.profile_steps - 1 into
+    <workdir>/profile/ (plugins/profile/<run>/<host>.xplane.pb, what TensorBoard's profile plugin
+    and Perfetto read), on process 0 or, with train.profile_all_hosts, on every process. A bucket
+    workdir is traced into a local temporary directory and uploaded when the trace stops (the
+    profiler writes through its own file layer, not through `paths`). A start that resumes inside
+    the range traces the rest of it; one that resumes after it traces nothing."""
+
+    def __init__(self, cfg, workdir: str):
+        t = cfg.train
+        self.first, self.last = t.profile_start, t.profile_start + t.profile_steps - 1
+        self.on = t.profile_start > 0 and (t.profile_all_hosts or jax.process_index() == 0)
+        self.directory = paths.join(workdir, "profile")
+        self.local = None
+        self.tracing = self.done = False
+
+    def check(self):
+        """Before the first step: an unwritable profile directory is one error line, not a lost trace."""
+        if self.on:
+            check_writable(self.directory)
+
+    def before(self, step: int):
+        if self.on and not self.tracing and not self.done and self.first <= step <= self.last:
+            self.local = (tempfile.mkdtemp(prefix="onona-profile-") if paths.is_cloud(self.directory)
+                          else self.directory)
+            jax.profiler.start_trace(self.local)
+            self.tracing = True
+
+    def after(self, step: int, state, last: bool) -> float:
+        """Stop after the range's last step (or the run's); the seconds spent writing the trace."""
+        if not self.tracing or (step < self.last and not last):
+            return 0.0
+        jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
+        began = time.perf_counter()
+        self.stop()
+        print(f"wrote a profile of steps {self.first}-{min(step, self.last)} to {self.directory}", file=sys.stderr)
+        return time.perf_counter() - began
+
+    def stop(self):
+        if not self.tracing:
+            return
+        self.tracing, self.done = False, True
+        jax.profiler.stop_trace()
+        if self.local != self.directory:
+            try:
+                for root, _, files in os.walk(self.local):
+                    for name in files:
+                        rel = os.path.relpath(os.path.join(root, name), self.local)
+                        paths.upload(os.path.join(root, name), paths.join(self.directory, rel))
+            except OSError as err:
+                raise cli.Failure(f"could not write the profile to {self.directory} ({err.strerror or err}); "
+                                  "make it writable, then rerun the same command") from None
+            finally:
+                shutil.rmtree(self.local, ignore_errors=True)
+
+
 def check_writable(directory: str):
     """Create `directory` and a file in it, now: a read-only or full disk is found before the
     first step, not inside an asynchronous checkpoint write."""
@@ -338,7 +396,7 @@ def save_failure(ckpts, err) -> cli.Failure:
 
 # What a start creates directly under the workdir (`_run`, before its first step; the lock's files
 # are the lock's), removed again when that start is refused (`_remove_new`).
-STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "tensorboard",
+STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "profile", "tensorboard",
                    "wandb", "wandb_id")
 
 
@@ -411,6 +469,11 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     from onona_jax.data import pipeline
 
     run = setup(cfg, devices)  # every config check, before any write
+    if cfg.train.profile_start > run.steps:
+        raise ValueError(f"train.profile_start={cfg.train.profile_start} lies after the run's last step {run.steps}; "
+                         f"give a step in 1..{run.steps} (or 0: no trace)")
+    # Before anything compiles; an unwritable cache is an error line here, before the workdir is touched.
+    platform.use_compile_cache(cfg.train.compile_cache, cfg.train.compile_cache_min_s)
     cache = cfg.data.cache_dir or None  # the local copy of a bucket data.dir (data/storage.py)
     if cfg.data.dir:  # user data: check it before writing anything
         pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size,
@@ -444,7 +507,7 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
     # their own threads, and a failure waits for them (`Checkpoints.stop`), so they report in here.
     with without_orbax_tracebacks():
         before = _entries(workdir)
-        held = {}  # what `_run` opened: "ckpts", "log", "bar"; "stepping" once start-up is done
+        held = {}  # what `_run` opened: "ckpts", "log", "bar", "profiler"; "stepping" once start-up is done
         failed = True
         try:
             result = _run(cfg, run, workdir, progress, held)
@@ -454,6 +517,11 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
             for part in ("bar", "log"):
                 if part in held:
                     held[part].close()
+            if "profiler" in held:  # a run that stops inside the traced range still leaves its trace
+                try:
+                    held["profiler"].stop()
+                except Exception as err:  # noqa: BLE001 - already stopping: the run's own error is reported
+                    print(f"warning: the profile was not written ({err})", file=sys.stderr)
             ours = failed and _still_locked()  # (a lost lock: the workdir may be another run's now)
             if failed and "ckpts" in held:
                 held["ckpts"].stop(remove=ours)  # the save in flight ends; failed saves' directories go
@@ -475,6 +543,8 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     from onona_jax.data import pipeline
 
     check_writable(paths.join(workdir, "checkpoints"))
+    profiler = held["profiler"] = Profiler(cfg, workdir)
+    profiler.check()
     try:  # (a full disk here is a runtime refusal: `_train` removes what this start made)
         data_dir = prepare_data(cfg, workdir)
         cache = cfg.data.cache_dir or None
@@ -525,8 +595,14 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
     # Seconds of the current log interval that were not training (the first step's compile, a
-    # validation, a checkpoint's device-to-host copy): kept out of tokens/s and MFU, logged apart.
-    paused = {"compile_s": 0.0, "validation_s": 0.0, "checkpoint_s": 0.0}
+    # validation, a checkpoint's device-to-host copy, writing a profile): kept out of tokens/s and MFU,
+    # logged apart.
+    paused = {"compile_s": 0.0, "validation_s": 0.0, "checkpoint_s": 0.0, "profile_s": 0.0}
+    # Seconds of the interval's training time spent waiting for the next batch (the iterator and
+    # the host-to-device copy): counted in tokens/s (an input-bound run is that slow), logged apart
+    # per step as data_wait_s beside step_s, so an input-bound run shows at once.
+    data_wait = [0.0]
+    first_step = {}  # the first step's compile: whether it came from the persistent cache
     bar = held["bar"] = tqdm(total=run.steps, initial=start, disable=not progress or jax.process_index() != 0,
                              dynamic_ncols=True, desc=cfg.name or "train")
 
@@ -538,10 +614,15 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
         host = jax.device_get([m for _, m in pending])
         now = time.perf_counter()
         training = now - last_time - sum(paused.values())
-        tok_s = (pending[-1][0] - last_step) * tokens_per_step / max(training, 1e-9)
+        steps = pending[-1][0] - last_step
+        tok_s = steps * tokens_per_step / max(training, 1e-9)
+        times = {"step_s": max(training - data_wait[0], 0.0) / steps, "data_wait_s": data_wait[0] / steps}
         last_time, last_step = now, pending[-1][0]
         apart = {k: v for k, v in paused.items() if v}
+        apart.update(first_step)
         paused.update(dict.fromkeys(paused, 0.0))
+        data_wait[0] = 0.0
+        first_step.clear()
         for (s, _), m in zip(pending, host):
             m = {k: float(v) for k, v in m.items()}
             if not math.isfinite(m["loss"]):
@@ -550,6 +631,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
                     f"(step {ckpts.latest()}) is untouched; lower train.lr or check the data"
                 )
             m["tokens_per_s"] = tok_s
+            m.update(times)
             if peak:  # causal attention at half the square (summary.flops_per_token); PaLM's beside it
                 m["mfu"] = tok_s * flops["train"] / (peak * 1e12 * jax.device_count())
                 m["mfu_full_square"] = tok_s * flops["train_full_square"] / (peak * 1e12 * jax.device_count())
@@ -602,13 +684,19 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
             validate(0)
         for step in range(start + 1, run.steps + 1):
             check_lock()  # a run whose workdir lock was lost (a bucket lease) stops here
+            began = time.perf_counter()
             batch = global_batch(run, next(batches))
+            data_wait[0] += time.perf_counter() - began
+            profiler.before(step)
             if step == start + 1:  # the call compiles (or loads from the cache) before it dispatches
-                began = time.perf_counter()
+                began, hits = time.perf_counter(), platform.cache_hits()
                 state, metrics = train_step(state, batch)
                 paused["compile_s"] += time.perf_counter() - began
+                if cfg.train.compile_cache:
+                    first_step["compile_cache_hits"] = platform.cache_hits() - hits
             else:
                 state, metrics = train_step(state, batch)
+            paused["profile_s"] += profiler.after(step, state, last=step == run.steps)
             bar.update(1)
             check_saves()
             if step % cfg.train.log_every == 0 or step == run.steps:

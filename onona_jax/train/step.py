@@ -63,7 +63,7 @@ def accumulated_grads(run: Run, params, batch):
 def make_train_step(run: Run):
     tx, schedule = run.tx, run.schedule
 
-    def step(state, batch):
+    def train_step(state, batch):  # (its name names the compiled program: jit_train_step)
         params = state["params"]
         loss, aux, grads = accumulated_grads(run, params, batch)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -82,7 +82,7 @@ def make_train_step(run: Run):
 
     replicated = NamedSharding(run.mesh, P())
     return jax.jit(
-        sharding.under_rules(step, run.mesh),
+        sharding.under_rules(train_step, run.mesh),
         in_shardings=(run.state_shardings, run.batch_sharding),
         out_shardings=(run.state_shardings, replicated),
         donate_argnums=0,
