@@ -54,7 +54,7 @@ BASE = {
     "train.global_batch": 8, "train.micro_batch": 8, "train.steps": 4, "train.warmup_steps": 2,
     "train.decay_fraction": 0.5,  # 4 steps: warm-up 1-2, decay 3-4 (step 4 at the final lr)
     "train.log_every": 1, "train.eval_every": 1000, "train.checkpoint_every": 2,
-    "eval.windows": 8, "eval.batch": 8, "mesh.data": 1,
+    "eval.windows": 8, "eval.batch": 8, "mesh.data": 1, "train.compile_cache_min_s": 0,
 }
 CYCLE = {"train.steps": 12, "train.eval_every": 4, "train.checkpoint_every": 2}
 FAULT_EXIT_S = 10.0  # a storage fault ends the run within this (issue 24 item 5)
@@ -152,9 +152,12 @@ class Bench:
         self.env["XLA_FLAGS"] = " ".join(f for f in self.env.get("XLA_FLAGS", "").split()
                                          if not f.startswith("--xla_force_host_platform_device_count"))
         self.env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
-                        JAX_COMPILATION_CACHE_DIR=str(root / "jax-cache"),
+                        JAX_COMPILATION_CACHE_DIR=str(root / "jax-cache"),  # (what other commands read)
                         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+                        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                        # train.py and eval.py set JAX's cache themselves, from train.compile_cache
+                        # (whose default this gives; BASE caches every program) and --compile_cache.
+                        ONONA_COMPILE_CACHE=str(root / "jax-cache"))
         self.n = 0
         self._data = self._run_dir = self._hf = None
         self.gcs = None

@@ -38,7 +38,7 @@ OVERRIDES = {
     "data.seq_len": 32, "model.n_heads": 8, "model.n_kv_heads": 4, "model.head_dim": 8,
     "train.global_batch": 8, "train.micro_batch": 8, "train.steps": STEPS, "train.warmup_steps": 2,
     "train.log_every": 1, "train.eval_every": 1000, "train.checkpoint_every": 2, "train.keep_checkpoints": 10,
-    "eval.windows": 8, "eval.batch": 8, "mesh.data": 1,
+    "eval.windows": 8, "eval.batch": 8, "mesh.data": 1, "train.compile_cache_min_s": 0,
 }
 TIMEOUT = 300
 
@@ -62,8 +62,10 @@ class TrainCLI:
         env = dict(os.environ)
         env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                     if not f.startswith("--xla_force_host_platform_device_count"))
-        env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(self.cache_dir),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        # train.py sets JAX's cache itself (train.compile_cache, whose default this variable
+        # gives; OVERRIDES caches every program, however quick to compile).
+        env.update(JAX_PLATFORMS="cpu", ONONA_COMPILE_CACHE=str(self.cache_dir),
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         return env
 
     def args(self, workdir, **extra):
