@@ -44,7 +44,8 @@ from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB, get_tok
 __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
            "sha256_file"]
 
-FORMAT_VERSION = 1  # shards may carry "sha256"/"bytes", "block_bytes"/"block_sha256" since 2026-12; readers of version 1 ignore them
+# Shards may carry "sha256"/"bytes" and "block_bytes"/"block_sha256" since 2026-12; readers of version 1 ignore them.
+FORMAT_VERSION = 1
 # Streaming reads (data.bucket_read="stream") fetch and verify whole blocks, so a block should be
 # small next to a training window's 2 * (seq_len + 1) bytes for a host to read little beyond its own
 # rows; each block costs BLOCK_HASH_HEX characters of manifest (64 KiB: 0.05% of the data).
