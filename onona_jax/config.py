@@ -122,6 +122,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = dt = ml_collections.ConfigDict()
     dt.dir = ""  # prepared token shards; "" = the bundled corpus, prepared into the workdir; may be gs://...
     dt.cache_dir = ""  # local copy of a bucket data.dir's shards; "" = <system temp dir>/onona-data-cache
+    # How a bucket data.dir is read: "copy" = every shard copied whole into cache_dir, then memory-
+    # mapped; "stream" = each host fetches only the blocks of its own rows by ranged reads, each
+    # verified against prepare's block hashes (onona_jax/data/stream.py). The same batches either way.
+    dt.bucket_read = "copy"
     dt.seq_len = 1024
     dt.seed = 0
     # grain's reads: threads per process (0 = in the training loop's own thread) and batches
@@ -235,6 +239,9 @@ def _validate_training(cfg, need, defaults):
     # jax.random.key and the data order take 32 bits (key(2**32) is key(0)).
     need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must lie in [0, 2**32)")
     need(0 <= cfg.data.seed < 2**32, f"data.seed={cfg.data.seed} must lie in [0, 2**32)")
+    need(cfg.data.bucket_read in ("copy", "stream"),
+         f"data.bucket_read={cfg.data.bucket_read!r} must be \"copy\" (shards copied to data.cache_dir) or "
+         "\"stream\" (ranged, verified reads of each host's own rows)")
     for key in ("read_threads", "prefetch"):
         need(isinstance(cfg.data[key], int) and cfg.data[key] >= 0,
              f"data.{key}={cfg.data[key]} must be an integer ≥ 0 (read threads per process, 0 = the loop's own "
@@ -294,6 +301,7 @@ RESUMABLE_KEYS = (
     "name",                  # a label
     "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)
     "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (loop.check_same_data)
+    "data.bucket_read",      # copied or streamed: the same batches
     "data.read_threads", "data.prefetch",  # how the batches are read, not which
     "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.checkpoint_minutes", "train.wandb_project",  # when to save, where else to log

@@ -140,3 +140,40 @@ def test_unreadable_newest_step_in_a_bucket_is_set_aside_whole(fake_gcs, states,
     assert bucket_digest(str(aside)) == damaged  # every object kept, as it was
     assert not fs.exists(f"{key.rsplit('/', 2)[0]}/2")
     assert writer.steps() == [1] and Checkpoints(root, read_only=True).steps() == [1]
+
+
+def test_bucket_append_composes_only_the_new_bytes(fake_gcs, monkeypatch):
+    """metrics.jsonl in a bucket (paths.Appender): each append uploads just its own bytes and
+    composes the object with them, instead of rewriting the file; reopening continues it, a torn
+    tail is cut, no temporary object is left, and a failed compose leaves the file as it was."""
+    import fsspec
+
+    url = f"{fake_gcs}/run/metrics.jsonl"
+    log = paths.Appender(url)
+    assert log.compose and log.size() == 0
+    uploaded = []
+    pipe = log.fs.pipe_file  # (an instance attribute: fsspec makes the sync methods per instance)
+    monkeypatch.setattr(log.fs, "pipe_file", lambda key, data, **kw: (uploaded.append(len(data)),
+                                                                     pipe(key, data, **kw))[1])
+    lines = [(json.dumps({"step": s, "loss": 1.0 / s}) + "\n").encode() for s in range(1, 41)]
+    for line in lines:
+        log.append(line)
+    assert uploaded == [len(line) for line in lines]  # never the whole file again
+    assert paths.read_bytes(url) == b"".join(lines) and log.size() == len(b"".join(lines))
+    fs, root = fsspec.core.url_to_fs(f"{fake_gcs}/run")
+    assert [k.rsplit("/", 1)[-1] for k in fs.find(root)] == ["metrics.jsonl"]  # no part left behind
+
+    again = paths.Appender(url)  # a resumed run
+    assert again.size() == log.size() and again.tail(len(lines[-1])) == lines[-1]
+    again.append(b'{"step": 41, "tor')
+    again.truncate(log.size())
+    again.append(lines[0])
+    assert paths.read_bytes(url) == b"".join(lines + lines[:1])
+
+    def refuse(path, paths_, **kw):
+        raise RuntimeError("compose refused")
+
+    monkeypatch.setattr(again.fs, "merge", refuse)
+    with pytest.raises(OSError, match="compose refused"):
+        again.append(b"lost\n")
+    assert paths.read_bytes(url) == b"".join(lines + lines[:1]) and again.size() == len(b"".join(lines + lines[:1]))

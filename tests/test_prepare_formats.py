@@ -566,3 +566,20 @@ def test_local_shards_are_verified_once_per_change(tiny_data, tmp_path):
     shard.write_bytes(bytes(raw))  # a new mtime: hashed again at the next start
     with pytest.raises(ValueError, match=f"shard {shard} .* does not match .*manifest.json"):
         storage.verify_once(data, run)
+
+
+def test_block_hashes_cover_each_shard(reference, tmp_path):
+    """Each shard's `block_sha256` is the 16-byte sha256 prefix of each `block_bytes` block (the last
+    shorter), for streamed reads (onona_jax/data/stream.py); the block size does not change the shards."""
+    ref, ref_m = reference
+    m = prepare([str(ref.parent / "c.txt")], str(tmp_path / "d"), FRACTION, shard_tokens=150, seed=SEED,
+                block_bytes=64)
+    for split in ("train", "heldout"):
+        for s, r in zip(m["splits"][split]["shards"], ref_m["splits"][split]["shards"], strict=True):
+            data = (tmp_path / "d" / s["file"]).read_bytes()
+            assert s["sha256"] == r["sha256"] and s["block_bytes"] == 64 and r["block_bytes"] == 65536
+            assert s["block_sha256"] == "".join(hashlib.sha256(data[i:i + 64]).hexdigest()[:32]
+                                                 for i in range(0, len(data), 64))
+    assert storage.data_identity(tmp_path / "d") == storage.data_identity(ref)  # the same data
+    with pytest.raises(ValueError, match="block_bytes must be a positive even number"):
+        prepare([str(ref.parent / "c.txt")], str(tmp_path / "e"), block_bytes=63)

@@ -426,6 +426,7 @@ def test_resumable_keys_pass_and_fewer_steps_do_not(tiny_data, run_dir):
     cfg.train.update(log_every=5, eval_every=7, checkpoint_every=3, keep_checkpoints=9, micro_batch=4)
     cfg.eval.batch = 4
     cfg.data.cache_dir = str(run_dir / "elsewhere")  # another cache of the same data
+    cfg.data.bucket_read = "stream"  # streamed instead of copied: the same batches
     loop.check_resume(cfg, trainer.setup(cfg, jax.devices()[:1]), str(run_dir))  # no error
     cfg.train.steps = 3
     with pytest.raises(ValueError, match=r"train.steps resolves to 3, below the checkpoint's step 4"):

@@ -250,7 +250,7 @@ def test_bucket_workdir_and_data_sigterm_resume_eval(cli, reference, tiny_data, 
     emulator of tests/fake_gcs.py): prepare uploads the data, train.py copies it into its cache,
     logs and checkpoints to the bucket, stops on SIGTERM, resumes bit for bit, and eval.py writes
     its JSON there. Layers exercised for real: our epath/gcsfs reads and writes (config.json,
-    metrics.jsonl rewritten per logged step, TensorBoard copies, the conditional-create lock,
+    metrics.jsonl and TensorBoard events appended by compose, the conditional-create lock,
     eval JSON, prepare's upload, the data cache) and Orbax's checkpoints through TensorStore's
     own GCS driver; what the emulator does not model is listed in tests/fake_gcs.py."""
     from onona_jax import paths
@@ -291,6 +291,23 @@ def test_bucket_workdir_and_data_sigterm_resume_eval(cli, reference, tiny_data, 
     assert rc == 0, (tmp_path / "eval.txt").read_text()[-3000:]
     result = json.loads(paths.read_text(f"{workdir}/eval/step_{STEPS}.json"))
     assert result["step"] == STEPS and result["val_loss"] == reference["val_loss"]
+
+
+def test_bucket_data_streamed_trains_bit_for_bit_as_local_data(cli, reference, tiny_data, fake_gcs, tmp_path):
+    """data.bucket_read=stream: train.py reads a bucket data dir by ranged, verified block reads
+    (onona_jax/data/stream.py), copies nothing into data.cache_dir, and logs the local-data run's
+    losses and validation loss bit for bit."""
+    from onona_jax.data.prepare import prepare
+
+    data = f"{fake_gcs}/data"
+    prepare([str(Path(tiny_data).parent / "austen_head.txt")], data, heldout_fraction=0.1, block_bytes=64)
+    cache, workdir = tmp_path / "cache", tmp_path / "run"
+    rc, out = cli.run(workdir, tmp_path / "log.txt", data__dir=data, data__cache_dir=cache,
+                      data__bucket_read="stream")
+    assert rc == 0, out[-3000:]
+    assert losses(workdir) == sorted(reference["loss"].items())
+    assert val_losses(workdir)[0] == reference["val_loss"]
+    assert not cache.exists()
 
 
 def test_saved_data_state_resumes_the_same_windows(reference, tiny_data):

@@ -20,11 +20,52 @@ def _prepare_hint(data_dir: Path) -> str:
     return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
 
 
+def split_shards(manifest: dict, split: str, manifest_path, d) -> list[dict]:
+    """The non-empty shards of `split`, or a ValueError naming what is wrong with the manifest."""
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != "uint16":
+        raise ValueError(f"{manifest_path} has format_version={manifest.get('format_version')}, "
+                         f"dtype={manifest.get('dtype')}; expected {FORMAT_VERSION}, uint16: {_prepare_hint(d)}")
+    if split not in manifest["splits"]:
+        raise ValueError(f"{manifest_path} has no split {split!r} (has {sorted(manifest['splits'])})")
+    shards = [s for s in manifest["splits"][split]["shards"] if s["tokens"] > 0]
+    if not shards:
+        raise ValueError(f"split {split!r} of {d} is empty (heldout_fraction={manifest.get('heldout_fraction')}); "
+                         f"{_prepare_hint(d)} with enough text (and --heldout_fraction > 0 for held-out data)")
+    return shards
+
+
+def num_windows(store, seq_len: int) -> int:
+    """Number of non-overlapping windows of seq_len + 1 tokens in a store of either kind."""
+    n = len(store) // (seq_len + 1)
+    if n == 0:
+        raise ValueError(f"{store.split} split of {store.data_dir} has {len(store)} tokens, fewer than one window "
+                         f"of seq_len + 1 = {seq_len + 1}; lower seq_len or prepare more text")
+    return n
+
+
+BUCKET_READS = ("copy", "stream")
+
+
+def open_store(data_dir: str | Path, split: str, vocab_size: int | None = None, cache_dir: str | None = None,
+               bucket_read: str = "copy"):
+    """A split's token stream: memory-mapped shards (a local data dir, or a bucket's copied into
+    `cache_dir`), or for a bucket with bucket_read="stream" a StreamStore that fetches and
+    verifies only the blocks read (onona_jax/data/stream.py)."""
+    if bucket_read not in BUCKET_READS:
+        raise ValueError(f"data.bucket_read={bucket_read!r} must be one of {', '.join(BUCKET_READS)}")
+    if bucket_read == "stream" and paths.is_cloud(data_dir):
+        from onona_jax.data.stream import StreamStore
+
+        return StreamStore(data_dir, split, vocab_size)
+    return TokenStore(data_dir, split, vocab_size, cache_dir)
+
+
 class TokenStore:
     """One split of a prepared data dir as a single read-only token stream over memory-mapped shards.
 
     `data_dir` may be a bucket URL (gs://...): the split's shards are then copied once into
-    `cache_dir` (default: storage.default_cache_dir()) and verified, see onona_jax/data/storage.py.
+    `cache_dir` (default: storage.default_cache_dir()) and verified, see onona_jax/data/storage.py
+    (`open_store` streams instead with bucket_read="stream").
     """
 
     def __init__(self, data_dir: str | Path, split: str, vocab_size: int | None = None,
@@ -34,15 +75,7 @@ class TokenStore:
         if not manifest_path.is_file():
             raise ValueError(f"no prepared data at {d} (missing {manifest_path}); {_prepare_hint(d)}")
         manifest = storage.parse_manifest(manifest_path.read_bytes(), str(manifest_path), d)
-        if manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != "uint16":
-            raise ValueError(f"{manifest_path} has format_version={manifest.get('format_version')}, "
-                             f"dtype={manifest.get('dtype')}; expected {FORMAT_VERSION}, uint16: {_prepare_hint(d)}")
-        if split not in manifest["splits"]:
-            raise ValueError(f"{manifest_path} has no split {split!r} (has {sorted(manifest['splits'])})")
-        shards = [s for s in manifest["splits"][split]["shards"] if s["tokens"] > 0]
-        if not shards:
-            raise ValueError(f"split {split!r} of {d} is empty (heldout_fraction={manifest.get('heldout_fraction')}); "
-                             f"{_prepare_hint(d)} with enough text (and --heldout_fraction > 0 for held-out data)")
+        shards = split_shards(manifest, split, manifest_path, d)
         self.data_dir, self.split, self.manifest = d, split, manifest
         self.vocab_size = vocab_size or manifest["vocab"]
         self.shards: list[np.memmap] = []
@@ -88,19 +121,18 @@ class TokenStore:
             i += 1
         return out
 
+    def read_many(self, ranges) -> list[np.ndarray]:
+        return [self.read(a, b) for a, b in ranges]
+
     def num_windows(self, seq_len: int) -> int:
         """Number of non-overlapping windows of seq_len + 1 tokens."""
-        n = len(self) // (seq_len + 1)
-        if n == 0:
-            raise ValueError(f"{self.split} split of {self.data_dir} has {len(self)} tokens, fewer than one window "
-                             f"of seq_len + 1 = {seq_len + 1}; lower seq_len or prepare more text")
-        return n
+        return num_windows(self, seq_len)
 
 
 class WindowSource:
     """grain RandomAccessDataSource: window i = tokens[i*(seq_len+1) : (i+1)*(seq_len+1)] as int32."""
 
-    def __init__(self, store: TokenStore, seq_len: int):
+    def __init__(self, store, seq_len: int):
         self.store, self.seq_len = store, seq_len
         self._len = store.num_windows(seq_len)
 
@@ -113,6 +145,16 @@ class WindowSource:
             raise IndexError(f"window {index} out of range [0, {self._len})")
         w = self.seq_len + 1
         return self.store.read(index * w, (index + 1) * w).astype(np.int32)
+
+    def windows(self, indices) -> np.ndarray:
+        """np.int32 [len(indices), seq_len + 1]: the windows, read in one call (a streaming store
+        fetches all their missing blocks at once, concurrently)."""
+        w = self.seq_len + 1
+        for i in indices:
+            if not 0 <= int(i) < self._len:
+                raise IndexError(f"window {int(i)} out of range [0, {self._len})")
+        rows = self.store.read_many([(int(i) * w, (int(i) + 1) * w) for i in indices])
+        return np.stack(rows).astype(np.int32) if rows else np.zeros((0, w), np.int32)
 
     def __repr__(self) -> str:
         return f"WindowSource({self.store.data_dir}, {self.store.split}, seq_len={self.seq_len}, windows={self._len})"
@@ -157,6 +199,7 @@ def train_batches(
     prefetch: int = 2,
     vocab_size: int | None = None,
     cache_dir: str | None = None,
+    bucket_read: str = "copy",
 ) -> TrainIterator:
     """Endless iterator of np.int32 [global_batch // process_count, seq_len + 1] training batches.
 
@@ -171,12 +214,12 @@ def train_batches(
         raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-    source = WindowSource(TokenStore(data_dir, "train", vocab_size, cache_dir), seq_len)
+    source = WindowSource(open_store(data_dir, "train", vocab_size, cache_dir, bucket_read), seq_len)
     local = global_batch // process_count
     lo = process_index * local
 
     def read_share(window_ids: np.ndarray) -> np.ndarray:
-        return np.stack([source[i] for i in window_ids[lo : lo + local]])
+        return source.windows(window_ids[lo : lo + local])
 
     # Shuffle window *ids* (cheap to batch globally), then read only this process's share.
     # reseed_each_epoch=False: grain would otherwise draw a new permutation every epoch.
@@ -196,20 +239,21 @@ def train_batches(
 
 
 def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int = 1234,
-                       vocab_size: int | None = None, cache_dir: str | None = None) -> np.ndarray:
+                       vocab_size: int | None = None, cache_dir: str | None = None,
+                       bucket_read: str = "copy") -> np.ndarray:
     """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order."""
-    store = TokenStore(data_dir, "heldout", vocab_size, cache_dir)
+    store = open_store(data_dir, "heldout", vocab_size, cache_dir, bucket_read)
     source = WindowSource(store, seq_len)
     if len(source) < count:
         raise ValueError(f"held-out split of {data_dir} has only {len(source)} windows of seq_len + 1 = "
                          f"{seq_len + 1} tokens but {count} were requested; lower the count (or seq_len) or "
                          "re-run prepare with a larger --heldout_fraction")
     ids = np.sort(np.random.default_rng(seed).choice(len(source), count, replace=False))
-    return np.stack([source[i] for i in ids]) if count else np.zeros((0, seq_len + 1), np.int32)
+    return source.windows(ids)
 
 
 def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: float = 0.02,
-                        cache_dir: str | None = None) -> str:
+                        cache_dir: str | None = None, bucket_read: str = "copy") -> str:
     """Prepare the bundled Austen corpus into `data_dir` (local or a bucket) unless it already
     holds prepared data."""
     manifest = paths.join(data_dir, "manifest.json")
@@ -219,5 +263,5 @@ def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: fl
         except (ValueError, OSError):
             if not paths.isfile(manifest):  # else another process prepared it first
                 raise
-    TokenStore(data_dir, "train", cache_dir=cache_dir).num_windows(seq_len)  # fail now, not at the first batch
+    open_store(data_dir, "train", None, cache_dir, bucket_read).num_windows(seq_len)  # fail now, not at the first batch
     return os.fspath(data_dir)

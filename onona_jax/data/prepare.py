@@ -2,7 +2,7 @@
 
     python -m onona_jax.data.prepare --input PATH [PATH ...] --output DIR \
         [--heldout_fraction 0.02] [--shard_tokens 50_000_000] [--seed 0] [--overwrite] \
-        [--text_column text] [--tokens_column COL] [--workers N] [--max_tokens N]
+        [--text_column text] [--tokens_column COL] [--workers N] [--max_tokens N] [--block_bytes 65536]
 
 Inputs (see onona_jax/data/sources.py): `.txt` files (documents separated by blank lines),
 `.jsonl` files (one document per line, in its `--text_column` field), both optionally
@@ -11,7 +11,8 @@ and directories saved by `datasets`; a directory means every such file directly 
 With `--tokens_column` the inputs hold GPT-2 token-id lists (jsonl field or parquet/Arrow column)
 that are used as they are. Every document is followed by exactly one EOT. `--workers N` tokenises
 in N processes; the output does not depend on N. Output: `DIR/{train,heldout}_NNNNN.bin` (uint16)
-and `DIR/manifest.json` (with each shard's sha256), moved into place only when complete.
+and `DIR/manifest.json` (with each shard's sha256, and a hash of each `--block_bytes` block of it
+for streaming reads from a bucket: onona_jax/data/stream.py), moved into place only when complete.
 """
 
 from __future__ import annotations
@@ -43,7 +44,17 @@ from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB, get_tok
 __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
            "sha256_file"]
 
-FORMAT_VERSION = 1  # shards may carry "sha256"/"bytes" since 2026-12; readers of version 1 ignore them
+# Shards may carry "sha256"/"bytes" and "block_bytes"/"block_sha256" since 2026-12; readers of version 1 ignore them.
+FORMAT_VERSION = 1
+# Streaming reads (data.bucket_read="stream") fetch and verify whole blocks, so a block should be
+# small next to a training window's 2 * (seq_len + 1) bytes for a host to read little beyond its own
+# rows; each block costs BLOCK_HASH_HEX characters of manifest (64 KiB: 0.05% of the data).
+BLOCK_BYTES = 1 << 16
+BLOCK_HASH_HEX = 32  # per block: the first 16 bytes of its sha256, in hex
+
+
+def block_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:BLOCK_HASH_HEX]
 SPLITS = ("train", "heldout")
 
 
@@ -76,10 +87,12 @@ def sha256_file(path: str | Path) -> str:
 class _ShardWriter:
     """Appends tokens to `{split}_NNNNN.bin` files of at most `shard_tokens` tokens each, hashing as it goes."""
 
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int):
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES):
+        self.out_dir, self.split, self.shard_tokens, self.block_bytes = out_dir, split, shard_tokens, block_bytes
         self.shards: list[dict] = []
         self._f = self._hash = None
+        self._blocks: list[str] = []  # hashes of the current shard's finished blocks
+        self._block = bytearray()  # its unfinished block
 
     @property
     def tokens(self) -> int:
@@ -93,15 +106,31 @@ class _ShardWriter:
             data = tokens[:n].astype("<u2", copy=False).tobytes()
             self._f.write(data)
             self._hash.update(data)
+            self._hash_blocks(data)
             self.shards[-1]["tokens"] += n
             tokens = tokens[n:]
+
+    def _hash_blocks(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view.nbytes:
+            n = min(view.nbytes, self.block_bytes - len(self._block))
+            self._block += view[:n]
+            view = view[n:]
+            if len(self._block) == self.block_bytes:
+                self._blocks.append(block_hash(self._block))
+                self._block.clear()
 
     def _finish(self) -> None:
         if self._f is not None:
             self._f.close()
-            # The hash lets a copy (a bucket, a host's cache) be checked against what prepare wrote.
-            self.shards[-1].update(bytes=2 * self.shards[-1]["tokens"], sha256=self._hash.hexdigest())
-            self._f = None
+            if self._block:  # the shard's last, shorter block
+                self._blocks.append(block_hash(self._block))
+                self._block.clear()
+            # The hash lets a copy (a bucket, a host's cache) be checked against what prepare wrote;
+            # the block hashes let a streaming reader check each range it reads.
+            self.shards[-1].update(bytes=2 * self.shards[-1]["tokens"], sha256=self._hash.hexdigest(),
+                                   block_bytes=self.block_bytes, block_sha256="".join(self._blocks))
+            self._f, self._blocks = None, []
 
     def _open_next(self) -> None:
         self._finish()
@@ -197,12 +226,12 @@ def _encoded(sources, text_column, tokens_column, pool, workers) -> Iterator[tup
 
 
 def _write_splits(tmp: Path, sources, is_heldout: Callable[[int, int], np.ndarray], shard_tokens, text_column,
-                  tokens_column, workers, max_tokens) -> tuple[dict, dict, int]:
+                  tokens_column, workers, max_tokens, block_bytes) -> tuple[dict, dict, int]:
     """Tokenise into `tmp`; returns (writers, documents per split, documents written).
 
     `is_heldout(a, b)`: bool array, whether each of the documents a..b-1 (global index) is held out.
     """
-    writers = {s: _ShardWriter(tmp, s, shard_tokens) for s in SPLITS}
+    writers = {s: _ShardWriter(tmp, s, shard_tokens, block_bytes) for s in SPLITS}
     docs_per_split = dict.fromkeys(SPLITS, 0)
     index = total = 0
     pool = _start_pool(workers)
@@ -274,6 +303,7 @@ def prepare(
     tokens_column: str | None = None,
     workers: int = 1,
     max_tokens: int | None = None,
+    block_bytes: int = BLOCK_BYTES,
 ) -> dict:
     """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json).
     `output` may be a bucket URL (gs://...): see `_prepare_to_bucket`."""
@@ -281,13 +311,15 @@ def prepare(
     if paths.is_cloud(output):
         return _prepare_to_bucket(inputs, output, heldout_fraction, shard_tokens, seed, overwrite=overwrite,
                                   text_column=text_column, tokens_column=tokens_column, workers=workers,
-                                  max_tokens=max_tokens)
+                                  max_tokens=max_tokens, block_bytes=block_bytes)
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if block_bytes < 2 or block_bytes % 2:
+        raise ValueError(f"block_bytes must be a positive even number (whole uint16 tokens), got {block_bytes}")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if not text_column or tokens_column == "":
@@ -308,7 +340,7 @@ def prepare(
 
     tmp, lock_fd = staging.new(out)
     try:
-        args = (shard_tokens, text_column, tokens_column, workers, max_tokens)
+        args = (shard_tokens, text_column, tokens_column, workers, max_tokens, block_bytes)
         def hashed(a: int, b: int) -> np.ndarray:
             return np.fromiter((_doc_hash(seed, i) for i in range(a, b)), np.float64, b - a) < heldout_fraction
 
@@ -421,6 +453,9 @@ def define(fv, argv):
     flags.DEFINE_integer("workers", _cpus(), "tokenising processes (default: CPUs available)", flag_values=fv)
     flags.DEFINE_string("max_tokens", None, "stop after this many tokens (whole documents, in input order)",
                         flag_values=fv)
+    flags.DEFINE_string("block_bytes", str(BLOCK_BYTES), "bytes per hashed block, what a streaming reader of a "
+                        "bucket fetches and verifies at once (even; small next to 2 * (seq_len + 1))",
+                        flag_values=fv)
 
 
 def _main(fv, paths):
@@ -430,14 +465,15 @@ def _main(fv, paths):
     try:
         shard_tokens = _count(fv.shard_tokens)
         max_tokens = None if fv.max_tokens is None else _count(fv.max_tokens)
+        block_bytes = _count(fv.block_bytes)
     except ValueError:
-        raise cli.UsageError(f"--shard_tokens={fv.shard_tokens} / --max_tokens={fv.max_tokens}: integers "
-                             "(underscores allowed)") from None
+        raise cli.UsageError(f"--shard_tokens={fv.shard_tokens} / --max_tokens={fv.max_tokens} / --block_bytes="
+                             f"{fv.block_bytes}: integers (underscores allowed)") from None
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         m = prepare(inputs, fv.output, fv.heldout_fraction, shard_tokens, fv.seed, fv.overwrite,
                     text_column=fv.text_column, tokens_column=fv.tokens_column, workers=fv.workers,
-                    max_tokens=max_tokens)
+                    max_tokens=max_tokens, block_bytes=block_bytes)
     except OSError as e:
         hint = "free space or choose another --output" if e.errno == errno.ENOSPC else "check the --output path"
         raise cli.Failure(f"cannot write {fv.output} ({e}); {hint}; nothing was written") from None

@@ -12,6 +12,9 @@ A shard appears under its final name only after its hash matched (write to `.par
 rename), so an interrupted copy resumes with the missing shards and never serves a partial one.
 The cached manifest pins the version: if the bucket's manifest changes (data re-prepared), the
 cache is stale and loading stops with the command that clears it, instead of mixing versions.
+
+That is `data.bucket_read="copy"`, the default. With "stream" (onona_jax/data/stream.py) nothing
+is copied: each host fetches and verifies only the blocks of its own windows.
 """
 
 from __future__ import annotations

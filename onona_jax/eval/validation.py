@@ -91,7 +91,7 @@ def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=N
     params, step, cfg, grid = loaded or load(workdir, step, mesh, devices)
     windows = pipeline.validation_windows(
         data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
-        cache_dir=cfg.data.get("cache_dir") or None,
+        cache_dir=cfg.data.get("cache_dir") or None, bucket_read=cfg.data.get("bucket_read", "copy"),
     )
     graphdef, _ = models.abstract(cfg.model)
     shardings = jax.tree.map(lambda a: a.sharding, params)

@@ -432,7 +432,8 @@ def prepare_data(cfg, workdir: str) -> str:
         return cfg.data.dir
     data_dir = paths.join(workdir, "data")
     if jax.process_index() == 0:
-        pipeline.ensure_bundled_data(data_dir, cfg.data.seq_len, cache_dir=cfg.data.cache_dir or None)
+        pipeline.ensure_bundled_data(data_dir, cfg.data.seq_len, cache_dir=cfg.data.cache_dir or None,
+                                     bucket_read=cfg.data.bucket_read)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -476,9 +477,10 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     platform.use_compile_cache(cfg.train.compile_cache, cfg.train.compile_cache_min_s)
     cache = cfg.data.cache_dir or None  # the local copy of a bucket data.dir (data/storage.py)
     if cfg.data.dir:  # user data: check it before writing anything
-        pipeline.TokenStore(cfg.data.dir, "train", vocab_size=cfg.model.vocab_size,
-                            cache_dir=cache).num_windows(cfg.data.seq_len)
-        pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed, cache_dir=cache)
+        pipeline.open_store(cfg.data.dir, "train", cfg.model.vocab_size, cache,
+                            cfg.data.bucket_read).num_windows(cfg.data.seq_len)
+        pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed, cache_dir=cache,
+                                    bucket_read=cfg.data.bucket_read)
     if cfg.init_from and not paths.isdir(paths.join(cfg.init_from, "checkpoints")):
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
@@ -555,7 +557,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
         raise cli.Failure(f"could not prepare or check the data for {workdir} ({what}); free space (or fix "
                           "that file's permissions), then rerun the same command") from None
     val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
-                                              cache_dir=cache)
+                                              cache_dir=cache, bucket_read=cfg.data.bucket_read)
     if jax.process_index() == 0:
         try:  # atomic: a failed write leaves the old config.json
             paths.write_json(paths.join(workdir, "config.json"), json.loads(cfg.to_json()))
@@ -572,7 +574,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
     batches = pipeline.train_batches(
         data_dir, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
         process_index=jax.process_index(), process_count=jax.process_count(), cache_dir=cache,
-        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
+        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, bucket_read=cfg.data.bucket_read,
     )
     if restored is None:
         start, state = 0, init_state(run, cfg.seed)
