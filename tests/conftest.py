@@ -1,14 +1,22 @@
 """Every test process sees 8 CPU devices, so sharding tests run on a real (fake) mesh.
 The flag must be set before jax is imported anywhere."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent compilation cache (train.compile_cache's default, onona_jax/platform.py): tests
-# never write to the user's cache, and every test compiles as it would on a fresh host. The
-# tests of the cache give a directory of their own. Subprocesses inherit this.
-os.environ["ONONA_COMPILE_CACHE"] = ""
+# One persistent compilation cache for the session, in a temporary directory, never the user's
+# (train.compile_cache's default, onona_jax/platform.py, reads ONONA_COMPILE_CACHE): in-process
+# runs and train.py subprocesses that compile a program already compiled load it (on
+# test_train, test_families, test_attention and test_tasks: 543 s -> 462 s). The tests of the
+# cache give a directory of their own. Subprocesses inherit both variables.
+_JAX_CACHE = tempfile.mkdtemp(prefix="onona-tests-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, True)
+os.environ["ONONA_COMPILE_CACHE"] = _JAX_CACHE
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE)  # what jax reads at import
 
 import jax  # noqa: E402
 

@@ -26,9 +26,10 @@ def rows(workdir) -> list[dict]:
 
 @pytest.fixture
 def cache_off_after():
-    """A test that turns the cache on turns it off again for the tests after it (in-process)."""
+    """A test that points the cache elsewhere gives the tests after it the session's back
+    (in-process; tests/conftest.py)."""
     yield
-    platform.use_compile_cache("")
+    platform.use_compile_cache(platform.default_compile_cache())
 
 
 def test_second_start_loads_the_train_step_from_the_cache(tiny_data, tmp_path, cache_off_after):
