@@ -87,10 +87,10 @@ def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
     cli.check_output_file(fv.output, "eval.json")  # before the evaluation, not after it
-    from onona_jax import platform
+    from onona_jax import compile_cache
 
-    cache = platform.default_compile_cache() if fv.compile_cache is None else fv.compile_cache
-    platform.use_compile_cache(cache, key="--compile_cache")  # before the evaluation compiles
+    cache = compile_cache.default_dir() if fv.compile_cache is None else fv.compile_cache
+    compile_cache.use(cache, key="--compile_cache")  # before the evaluation compiles
     result = evaluate(fv.workdir, fv.step, cli.mesh(fv), fv.tasks, parse_task_data(fv.task_data),
                       fv.task_data_dir, fv.task_batch, fv.max_length, fv.mmlu_shots, fv.limit)
     from onona_jax.eval import validation

@@ -14,10 +14,10 @@ import os
 import ml_collections
 
 from onona_jax import attention
+from onona_jax import compile_cache
 from onona_jax import heads as heads_lib
 from onona_jax import layers
 from onona_jax import loss as loss_lib
-from onona_jax import platform
 from onona_jax import models
 from onona_jax.models import gdn
 
@@ -111,7 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.peak_tflops = 0.0  # per device, for MFU; 0: look up from the device kind
     # JAX's persistent compilation cache: a restart (after a pre-emption) loads the compiled step
     # instead of compiling it again. A local directory or a bucket URL; "" = off.
-    t.compile_cache = platform.default_compile_cache()
+    t.compile_cache = compile_cache.default_dir()
     t.compile_cache_min_s = 1.0  # cache only programs that took this long to compile (not the small ones)
     # A jax.profiler trace of steps profile_start .. profile_start + profile_steps - 1 into
     # <workdir>/profile/ (TensorBoard's profile plugin, Perfetto); profile_start=0: no trace.

@@ -9,7 +9,7 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, in a temporary directory, never the user's
-# (train.compile_cache's default, onona_jax/platform.py, reads ONONA_COMPILE_CACHE): in-process
+# (train.compile_cache's default, onona_jax/compile_cache.py, reads ONONA_COMPILE_CACHE): in-process
 # runs and train.py subprocesses that compile a program already compiled load it (on
 # test_train, test_families, test_attention and test_tasks: 543 s -> 462 s). The tests of the
 # cache give a directory of their own. Subprocesses inherit both variables.

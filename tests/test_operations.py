@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 from onona_jax import cli
 from onona_jax import config as config_lib
-from onona_jax import platform
+from onona_jax import compile_cache
 from onona_jax import train as trainer
 from onona_jax.data import pipeline
 from onona_jax.train import loop
@@ -29,7 +29,7 @@ def cache_off_after():
     """A test that points the cache elsewhere gives the tests after it the session's back
     (in-process; tests/conftest.py)."""
     yield
-    platform.use_compile_cache(platform.default_compile_cache())
+    compile_cache.use(compile_cache.default_dir())
 
 
 def test_second_start_loads_the_train_step_from_the_cache(tiny_data, tmp_path, cache_off_after):
@@ -60,13 +60,13 @@ def test_cache_threshold_keeps_small_programs_out(tiny_data, tmp_path, cache_off
 
 
 def test_default_cache_is_under_the_users_cache(monkeypatch):
-    monkeypatch.delenv(platform.CACHE_ENV)
+    monkeypatch.delenv(compile_cache.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
     assert config_lib.base_config().train.compile_cache == "/somewhere/cache/onona_jax/jax_cache"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert platform.default_compile_cache() == os.path.expanduser("~/.cache/onona_jax/jax_cache")
-    monkeypatch.setenv(platform.CACHE_ENV, "")
-    assert platform.default_compile_cache() == ""
+    assert compile_cache.default_dir() == os.path.expanduser("~/.cache/onona_jax/jax_cache")
+    monkeypatch.setenv(compile_cache.ENV, "")
+    assert compile_cache.default_dir() == ""
 
 
 def test_unwritable_cache_is_one_error_before_any_write(tiny_data, tmp_path, capfd):

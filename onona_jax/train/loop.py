@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from onona_jax import chips, cli, paths, platform, summary
+from onona_jax import chips, cli, compile_cache, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.data import storage
 from onona_jax.eval.validation import Evaluator, variants
@@ -474,7 +474,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
         raise ValueError(f"train.profile_start={cfg.train.profile_start} lies after the run's last step {run.steps}; "
                          f"give a step in 1..{run.steps} (or 0: no trace)")
     # Before anything compiles; an unwritable cache is an error line here, before the workdir is touched.
-    platform.use_compile_cache(cfg.train.compile_cache, cfg.train.compile_cache_min_s)
+    compile_cache.use(cfg.train.compile_cache, cfg.train.compile_cache_min_s)
     cache = cfg.data.cache_dir or None  # the local copy of a bucket data.dir (data/storage.py)
     if cfg.data.dir:  # user data: check it before writing anything
         pipeline.open_store(cfg.data.dir, "train", cfg.model.vocab_size, cache,
@@ -691,11 +691,11 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
             data_wait[0] += time.perf_counter() - began
             profiler.before(step)
             if step == start + 1:  # the call compiles (or loads from the cache) before it dispatches
-                began, hits = time.perf_counter(), platform.cache_hits()
+                began, hits = time.perf_counter(), compile_cache.hits()
                 state, metrics = train_step(state, batch)
                 paused["compile_s"] += time.perf_counter() - began
                 if cfg.train.compile_cache:
-                    first_step["compile_cache_hits"] = platform.cache_hits() - hits
+                    first_step["compile_cache_hits"] = compile_cache.hits() - hits
             else:
                 state, metrics = train_step(state, batch)
             paused["profile_s"] += profiler.after(step, state, last=step == run.steps)
