@@ -149,6 +149,9 @@ class MetricsLog:
             except OSError as err:
                 raise cli.Failure(f"cannot write {self.path} ({err.strerror or err}); make the workdir "
                                   "writable (or free space), then rerun the same command") from None
+            # tensorboardX's first import takes seconds (it imports torch where installed): paid
+            # here, at start-up, not inside the second logged interval's tokens/s.
+            import tensorboardX.summary  # noqa: F401
             if cfg is not None and cfg.train.wandb_project:
                 from onona_jax.train.wandb_log import WandbLog
 
