@@ -5,7 +5,7 @@
 Before train.py starts (and joins the other processes through `platform.initialize()`), it
 wraps two functions of this process only (no package code changes):
 
-- `pipeline.WindowSource.__getitem__`: every *training* window index this process reads;
+- `pipeline.WindowSource.__getitem__` and `.windows`: every *training* window index this process reads;
 - `global_batch` (onona_jax/train/step.py): the local rows it feeds each step, and which rows
   of the global batch this process's devices hold. It is replaced under every name any
   `onona_jax` module holds it by (`from ... import global_batch` binds a second name, which a
@@ -55,13 +55,19 @@ def install_hooks():
 
     record = {"ids": [], "fed": [], "rows": [], "saves": [], "timer_saves": []}
     lock = threading.Lock()  # grain reads on its own thread(s)
-    get_window = pipeline.WindowSource.__getitem__
+    get_window, get_windows = pipeline.WindowSource.__getitem__, pipeline.WindowSource.windows
 
     def recording_getitem(self, index):
         if self.store.split == "train":
             with lock:
                 record["ids"].append(int(index))
         return get_window(self, index)
+
+    def recording_windows(self, indices):  # (a batch share is read in one call)
+        if self.store.split == "train":
+            with lock:
+                record["ids"].extend(int(i) for i in indices)
+        return get_windows(self, indices)
 
     make_global = step.global_batch
 
@@ -88,6 +94,7 @@ def install_hooks():
 
     Checkpoints.save = recording_save
     pipeline.WindowSource.__getitem__ = recording_getitem
+    pipeline.WindowSource.windows = recording_windows
     rebound = replace_everywhere(make_global, recording_global_batch)
     if loop.global_batch is not recording_global_batch:  # the name the training loop calls
         sys.exit(f"multihost_driver: could not hook the loop's global_batch (rebound {rebound})")

@@ -135,8 +135,8 @@ def global_window_ids(data_dir: str, n_batches: int) -> np.ndarray:
 
     seed = config.load(os.path.join(REPO, "configs/paper.py:dense-tiny-twin")).data.seed
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline.WindowSource, "__getitem__",
-                   lambda self, i: np.full(SEQ_LEN + 1, int(i), np.int32))
+        mp.setattr(pipeline.WindowSource, "windows",  # (how train_batches reads a batch share)
+                   lambda self, ids: np.stack([np.full(SEQ_LEN + 1, int(i), np.int32) for i in ids]))
         it = pipeline.train_batches(data_dir, SEQ_LEN, GLOBAL_BATCH, seed=seed)
         return np.stack([next(it)[:, 0] for _ in range(n_batches)])
 
