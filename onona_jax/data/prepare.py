@@ -55,6 +55,8 @@ BLOCK_HASH_HEX = 32  # per block: the first 16 bytes of its sha256, in hex
 
 def block_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:BLOCK_HASH_HEX]
+
+
 SPLITS = ("train", "heldout")
 
 
