@@ -32,16 +32,19 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A prepared data dir from the first ~300 KB of the bundled corpus (fast to tokenize)."""
+    return str(prepare_bundled_head(tmp_path_factory.mktemp("tiny_data"), 300_000, heldout_fraction=0.1)[0])
+
+
+def prepare_bundled_head(root, chars: int, **prepare_args):
+    """The first `chars` characters of the bundled corpus prepared into root/data:
+    (that path, the manifest)."""
     from onona_jax.data.prepare import prepare
     from onona_jax.tokenizer import bundled_corpus_path
 
-    root = tmp_path_factory.mktemp("tiny_data")
     src = root / "austen_head.txt"
     with lzma.open(bundled_corpus_path(), "rt") as f:
-        src.write_text(f.read(300_000))
-    out = root / "data"
-    prepare([str(src)], str(out), heldout_fraction=0.1)
-    return str(out)
+        src.write_text(f.read(chars))
+    return root / "data", prepare([str(src)], str(root / "data"), **prepare_args)
 
 
 def tiny_config(data_dir: str, head: str = "twin", arch: str = "dense", **train):

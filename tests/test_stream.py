@@ -5,16 +5,14 @@ epoch (its own rows, rounded out to blocks) and nothing is copied; a corrupt blo
 shard and a manifest without block hashes are errors that name the fix."""
 
 import json
-import lzma
 
 import numpy as np
 import pytest
 
+from conftest import prepare_bundled_head
 from onona_jax import config as configlib
 from onona_jax.data import pipeline, storage
-from onona_jax.data.prepare import prepare
 from onona_jax.data.stream import StreamStore
-from onona_jax.tokenizer import bundled_corpus_path
 
 SEQ = 4095  # windows of 8,192 bytes ...
 BLOCK = 128  # ... read in blocks of 128: a window rounded out to blocks is at most 1.6% more
@@ -24,12 +22,8 @@ SHARD = 20_011  # tokens per shard, so that windows and blocks straddle shard en
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     """~240K training tokens of the bundled corpus, prepared locally with small blocks."""
-    root = tmp_path_factory.mktemp("stream")
-    src = root / "austen.txt"
-    with lzma.open(bundled_corpus_path(), "rt") as f:
-        src.write_text(f.read(1_000_000))
-    m = prepare([str(src)], str(root / "data"), 0.05, shard_tokens=SHARD, block_bytes=BLOCK)
-    return root / "data", m
+    return prepare_bundled_head(tmp_path_factory.mktemp("stream"), 1_000_000, heldout_fraction=0.05,
+                                shard_tokens=SHARD, block_bytes=BLOCK)
 
 
 def upload(local_dir, url):
