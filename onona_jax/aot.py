@@ -28,7 +28,8 @@ shardings, compiles them with the TPU compiler and reports, per device:
   TPU, cuDNN's fused attention on GPU, none for plain XLA), the `[..., T, T]` score matrices the
   program materialises, and its largest arrays by shape.
 
-`--fit` weighs plans: for each remat policy (none, attention, dots, attention_offload, full) the
+`--fit` weighs plans: for each remat policy (none, attention_experts for MoE, attention, dots,
+attention_offload, full) the
 largest micro-batch that fits, each with its HBM, collective bytes, recomputed FLOPs and a
 MODELLED step time (`modelled_time`: a roofline from the compiled program and the chip's
 peaks, `chips.CHIPS`; not a measurement), and picks the fastest. A config that does not fit
@@ -735,8 +736,9 @@ def _dp(cfg, s: Slice) -> int:
     return s.slices * sizes[0] * sizes[1] * sizes[2]
 
 
-# The remat policies --fit weighs, cheapest recompute first (layers.REMAT_POLICIES).
-FIT_REMATS = ("none", "attention", "dots", "attention_offload", "full")
+# The remat policies --fit weighs, cheapest recompute first (layers.REMAT_POLICIES);
+# attention_experts (MoE only) recomputes what attention does with one expert gather fewer.
+FIT_REMATS = ("none", "attention_experts", "attention", "dots", "attention_offload", "full")
 
 
 def recomputed_flops_per_token(cfg) -> float:
@@ -747,7 +749,7 @@ def recomputed_flops_per_token(cfg) -> float:
     fused kernel, which is no dot); `full` recomputes the layer."""
     f = _flops(cfg)
     body, scores, other = f["body_matmul"], f["attention_scores"], f["gdn_recurrence"] + f["attnres"]
-    return {"none": 0.0, "dots": scores + other, "attention": body + other,
+    return {"none": 0.0, "dots": scores + other, "attention": body + other, "attention_experts": body + other,
             "attention_offload": body + other, "full": body + scores + other}[cfg.model.remat]
 
 
@@ -809,6 +811,8 @@ def fit(cfg, s: Slice, devices=None, hbm: int | None = None, log=None) -> dict:
         return r
 
     for remat in FIT_REMATS:
+        if remat == "attention_experts" and cfg.model.arch != "moe":
+            continue  # the same program as attention
         if any(p["micro_batch"] == sizes[0] for p in plans):
             break
         lo, hi, best = 0, len(sizes) - 1, None  # sizes[lo] largest; find the first that fits

@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.norm_eps = 1e-6
     m.dtype = "bfloat16"  # compute dtype; parameters and optimizer state stay fp32
     m.scan_layers = True
-    m.remat = "none"  # none | dots | attention | attention_offload | full (layers.REMAT_POLICIES)
+    m.remat = "none"  # none | dots | attention | attention_experts | attention_offload | full (layers.REMAT_POLICIES)
     m.attention_impl = "auto"  # auto: splash on TPU, cuDNN on GPU (bf16), XLA on CPU | xla | splash | cudnn (attention.py)
     m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
     m.loss_token_tile = loss_lib.DEFAULT_TOKEN_TILE  # tokens per tile (per device) of the fused loss (loss.py says why 256)

@@ -20,6 +20,9 @@ from onona_jax.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# The MoE's expert weights after their FSDP gather (models/moe.py names them).
+EXPERT_WEIGHTS = "expert_weights"
+
 # model.remat: what the backward pass keeps of each layer's forward (the rest is recomputed).
 REMAT_POLICIES = {
     "none": None,  # everything: no recompute
@@ -28,6 +31,10 @@ REMAT_POLICIES = {
     # q, k, v and the attention output: the attention kernel is never rerun, the MLP and the
     # norms are (MaxText's "qkv_proj" + "context" choice)
     "attention": jax.checkpoint_policies.save_only_these_names(QKV, ATTENTION_OUT),
+    # the same, plus MoE's gathered expert weights: the backward pass reuses the forward's
+    # FSDP gather instead of repeating it (one gather of the experts per step, not two), for
+    # their compute-dtype size in HBM per chip; the same as `attention` for the other families
+    "attention_experts": jax.checkpoint_policies.save_only_these_names(QKV, ATTENTION_OUT, EXPERT_WEIGHTS),
     # the same arrays, moved to pinned host memory between the passes (on a CPU it runs, saving nothing)
     "attention_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=[QKV, ATTENTION_OUT],

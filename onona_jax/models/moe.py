@@ -42,7 +42,9 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from onona_jax.layers import EXPERT_WEIGHTS
 from onona_jax.params import param
 from onona_jax import sharding
 from onona_jax.sharding import constrain
@@ -307,17 +309,22 @@ def dispatch_grouped(x, weights, experts, C, gate, up, down):
     ep = 1 if w_in[0] is None else _mesh_size(mesh, w_in[0])
     expert_axis = w_in[0] if ep > 1 else None
     tensor_axis = w_in[2]  # (a psum over one device is free, and tells shard_map y is whole)
-    # The weights enter whole in d: the partitioner gathers them over fsdp in the compute
-    # dtype, as any FSDP weight, and reduces their gradients back (XLA:TPU lowers that as an
-    # all-reduce here, not a reduce-scatter: docs/SCALING.md, the MoE section).
+    # The weights enter whole in d: gathered over fsdp in the compute dtype, as any FSDP
+    # weight, and their gradients reduced back (XLA:TPU lowers that as an all-reduce here, not
+    # a reduce-scatter: docs/SCALING.md, the MoE section). The gather is made explicit and
+    # named so that `model.remat=attention_experts` keeps it for the backward pass.
     w_in, w_out = P(w_in[0], None, w_in[2]), P(w_out[0], w_out[1], None)
     dt = x.dtype
+
+    def gathered(w, spec):
+        w = jax.lax.with_sharding_constraint(w.astype(dt), jax.sharding.NamedSharding(mesh, spec))
+        return checkpoint_name(w, EXPERT_WEIGHTS)
 
     def local(x, weights, experts, gate, up, down):
         return _grouped_local(x, weights, experts, C, gate, up, down, expert_axis, ep, tensor_axis)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out), out_specs=rows)(
-        x, weights, experts, gate.astype(dt), up.astype(dt), down.astype(dt))
+        x, weights, experts, gathered(gate, w_in), gathered(up, w_in), gathered(down, w_out))
 
 
 def _mesh_size(mesh, axes) -> int:
