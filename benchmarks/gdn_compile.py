@@ -6,7 +6,7 @@ it), compiled deviceless for a TPU topology with libtpu (pip install -e '.[tpu-a
         --config.model.gdn.precision=highest [--step --config.train.micro_batch=16 \
         --config.model.remat=attention --config.mesh.data=1 --config.mesh.fsdp=-1]
 
-Prints one JSON line: compile seconds, XLA's buffer assignment (temporaries, total) per device,
+Prints one JSON line: compile seconds (wall, and the process's CPU seconds), XLA's buffer assignment (temporaries, total) per device,
 and the dots of the optimized HLO: how many, and how many at HIGHEST (`operand_precision=
 {highest,...}`: multi-pass fp32 emulation on the matrix unit). The layer form compiles on one
 device of the topology with --batch rows of data.seq_len tokens (the rows a chip holds at
@@ -85,15 +85,19 @@ def _main(fv, args):
     s = aot.get_slice(fv.topology)
     devices = aot.topology_devices(s)
     fn, fargs = _step(cfg, devices) if fv.step else _layer(cfg, devices[0], fv.batch)
-    start = time.perf_counter()
+    load = os.getloadavg()[0]
+    start, cpu = time.perf_counter(), time.process_time()
     compiled = fn.lower(*fargs).compile()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     mem = compiled.memory_analysis()
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
              + mem.temp_size_in_bytes)
     print(json.dumps({
         "config": cfg.name, "what": "train step" if fv.step else f"one GDN layer fwd+bwd, {fv.batch} rows",
         "topology": s.name, "gdn_precision": cfg.model.gdn.precision if "gdn" in models.layer_pattern(cfg.model) else None, "compile_s": round(seconds, 1),
+        # CPU seconds of this process (all compiler threads): less swayed than wall seconds by
+        # other jobs on a shared host; the 1-minute load average before and after
+        "compile_cpu_s": round(cpu, 1), "load": [round(load, 2), round(os.getloadavg()[0], 2)],
         "temporaries_mib": round(mem.temp_size_in_bytes / 2**20, 1), "total_mib": round(total / 2**20, 1),
         **dot_precisions(compiled.as_text()),
     }))

@@ -48,6 +48,10 @@ for row in $rows; do
       case $row in *ep8) mesh="--config.mesh.fsdp=2 --config.mesh.expert=8" d=grouped ;; *) mesh="--config.mesh.fsdp=16" d=${row#moe-142m-} ;; esac
       aot ${row}-v5e-16 --config=configs/paper.py:moe-142m-twin --topology=v5e-16 --config.mesh.data=1 $mesh \
         --config.model.moe.dispatch=$d --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
+    # grouped, experts replicated, the expert gather kept for the backward pass (remat=attention_experts)
+    moe-142m-grouped-keep) aot moe-142m-grouped-keep-v5e-16 --config=configs/paper.py:moe-142m-twin --topology=v5e-16 \
+      --config.mesh.data=1 --config.mesh.fsdp=16 --config.model.moe.dispatch=grouped --config.train.micro_batch=16 \
+      --config.model.remat=attention_experts --noeval_step ;;
     moe-1b-sort|moe-1b-grouped|moe-1b-ep8)
       case $row in *ep8) mesh="--config.mesh.fsdp=16 --config.mesh.expert=8" d=grouped ;; *) mesh="--config.mesh.fsdp=128" d=${row#moe-1b-} ;; esac
       aot ${row}-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 --config.mesh.data=1 $mesh \

@@ -62,6 +62,37 @@ class Block(nnx.Module):
         return x + self._feed_forward(x)[0], cache
 
 
+def _runs(blocks) -> list[list]:
+    """Consecutive blocks of one kind (mixer and feed-forward), e.g. [[gdn, gdn, gdn], [attn]]."""
+    runs = []
+    for block in blocks:
+        kind = (block.mixer_name, block.ffn_name)
+        if runs and (runs[-1][0].mixer_name, runs[-1][0].ffn_name) == kind:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return runs
+
+
+def _apply_run(apply, run, x):
+    """(x, aux) after the blocks of `run` in order. A run of several (the hybrid group's 3 GDN
+    layers) is one inner scan over their weights stacked on the fly, so the compiler sees that
+    kind of layer's code once, not once per position: the GDN step compiles in about half the
+    time (docs/SCALING.md, "GDN's recurrence precision") for the same values; the stacking
+    copies the run's weight shards once per step."""
+    if len(run) == 1:
+        return apply(run[0], x)
+    graphdef, first = nnx.split(run[0])
+    treedef = jax.tree.structure(first)  # the positions' metadata differ (layer offset), not their shapes
+    stacked = [jnp.stack(leaves) for leaves in zip(*(jax.tree.leaves(nnx.split(b)[1]) for b in run))]
+
+    def step(x, leaves):
+        return apply(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), x)
+
+    x, aux = jax.lax.scan(step, x, stacked)
+    return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+
+
 class Trunk(nnx.Module):
     """The decoder body: L blocks following `layer_pattern`, then the final norm.
 
@@ -96,8 +127,8 @@ class Trunk(nnx.Module):
             def body(carry, layer_state):
                 x, aux = carry
                 group = nnx.merge(graphdef, layer_state)
-                for block in group if isinstance(group, nnx.List) else [group]:
-                    x, a = apply(block, x)
+                for run in _runs(group if isinstance(group, nnx.List) else [group]):
+                    x, a = _apply_run(apply, run, x)
                     aux = add_aux(aux, a)
                 return (x, aux), None
 
