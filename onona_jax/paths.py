@@ -355,7 +355,8 @@ class Workdir:
 class Sweepdir:
     """The files of a sweep's directory (experiments/sweep.py writes them, report.py reads them):
     `grid.json`, `sweep_status.json`, each arm × seed's run in `ARM/seedN/` (a `Workdir`), and
-    the report (`report.json`, `report.md`, `report.png`)."""
+    the report (`report.json`, `report.md`, `report.png`); the sweep's lock is a `Workdir`'s
+    (`lock.json`, train/lock.py)."""
 
     GRID, STATUS = "grid.json", "sweep_status.json"
 

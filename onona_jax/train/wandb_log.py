@@ -15,6 +15,7 @@ import secrets
 
 from onona_jax import cli, paths
 
+
 def local_dir(workdir: str) -> str | None:
     """Where W&B keeps its files (it syncs them itself): `<workdir>/wandb` for a local workdir;
     for a bucket workdir, W&B's default (./wandb, or $WANDB_DIR), since it writes local files."""
