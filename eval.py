@@ -95,7 +95,7 @@ def _main(fv, args):
                       fv.task_data_dir, fv.task_batch, fv.max_length, fv.mmlu_shots, fv.limit)
     from onona_jax.eval import validation
 
-    path = fv.output or paths.join(fv.workdir, "eval", f"step_{result['step']}.json")
+    path = fv.output or paths.Workdir(fv.workdir).eval_result(result["step"])
     validation.write_json(result, path)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}", file=sys.stderr)

@@ -618,7 +618,7 @@ def _config(ckpts: Checkpoints, step: int):
 def saved_config(workdir: str, step: int | None = None):
     """The config saved with a run's checkpoint (the newest readable one unless `step`), no
     array read. Read-only: an unreadable step is skipped, never moved."""
-    ckpts = Checkpoints(paths.join(workdir, "checkpoints"), read_only=True)
+    ckpts = Checkpoints(paths.Workdir(workdir).checkpoints, read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
     restored = ckpts.restore_latest(None, step, read=lambda s: (_config(ckpts, s),))
@@ -639,7 +639,7 @@ def restore_params(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devic
     (`Checkpoints.restore_params`)."""
     from onona_jax import models, sharding
 
-    ckpts = Checkpoints(paths.join(workdir, "checkpoints"), read_only=True)
+    ckpts = Checkpoints(paths.Workdir(workdir).checkpoints, read_only=True)
     if not ckpts.steps():
         raise ValueError(f"no checkpoints in {ckpts.directory}; train first with train.py --workdir={workdir}")
     grid = mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.make_mesh(

@@ -115,14 +115,6 @@ def mos_log_probs(h, E, W, W_prior, sig: bool = False):
     return jax.nn.logsumexp(log_prior[..., None] + comp, axis=-2)
 
 
-def mos_target_log_probs(h, E, W, W_prior, targets, sig: bool = False):
-    log_prior, contexts = _mos_parts(h, W, W_prior)
-    z = logits(contexts, E)
-    k_targets = jnp.broadcast_to(targets[..., None], z.shape[:-1])
-    comp = target_log_softmax(sigsoftmax_scores(z) if sig else z, k_targets)  # [..., K]
-    return jax.nn.logsumexp(log_prior + comp, axis=-1)
-
-
 def input_gate_rows(a_rows, b_rows, w):
     """The input-gate control: g·A[x] + (1−g)·B[x] with g = σ(wᵀ rmsnorm(M[x]))."""
     g = jax.nn.sigmoid(gate_logit((a_rows + b_rows) * 0.5, w))[..., None]
@@ -236,11 +228,6 @@ class Folded(NamedTuple):
     outputs: tuple  # 1 or 2 tables [V, d]
     gate_logit: jax.Array | None = None  # [V] fp32, z of each input token
     score: str | None = None
-
-    def mixture(self, h, tokens) -> Mixture:
-        if self.gate_logit is None:
-            return Mixture(h, self.outputs, None, self.score)
-        return Mixture(h, self.outputs, gate_log_weights(jnp.take(self.gate_logit, tokens, axis=0)), self.score)
 
 
 def _rows(table: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -275,3 +275,100 @@ class Appender:
     def close(self) -> None:
         if not self.cloud:
             os.close(self.fd)
+
+
+class Workdir:
+    """Every file of a run's directory (`--workdir`), named here once; a local path or a URL
+    alike (`join`). Who writes each:
+
+        config.json          the run's config, at each start (train/loop.py; import_hf.py)
+        checkpoints/         Orbax's steps, `checkpoints/corrupt/` set aside (checkpoint.py)
+        metrics.jsonl        one JSON object per logged step (train/loop.py `MetricsLog`)
+        tensorboard/         the same scalars as TensorBoard event files
+        profile/             `jax.profiler` traces (train.profile_start)
+        data/                the bundled corpus, prepared here when data.dir is empty
+        data_verified.json   the data's identity and its verified shards (data/storage.py)
+        lock.json            the one-writer lock (train/lock.py)
+        wandb_id, wandb/     the W&B run's id and W&B's local files (train/wandb_log.py)
+        eval/step_N.json     eval.py's results
+        analysis/            the gate analysis's report (analysis/gate.py)
+        logs/                a sweep's logs of the run's commands (experiments/sweep.py)
+    """
+
+    CONFIG = "config.json"
+    CHECKPOINTS = "checkpoints"
+    METRICS = "metrics.jsonl"
+    TENSORBOARD = "tensorboard"
+    PROFILE = "profile"
+    DATA = "data"
+    DATA_RECORD = "data_verified.json"
+    LOCK = "lock.json"
+    WANDB_ID = "wandb_id"
+    WANDB = "wandb"
+    EVAL = "eval"
+    ANALYSIS = "analysis"
+    LOGS = "logs"
+
+    def __init__(self, root):
+        self.root = os.fspath(root)
+
+    def __repr__(self) -> str:
+        return f"Workdir({self.root!r})"
+
+    def entry(self, name: str) -> str:
+        """`root/name` (a file or directory directly under the workdir)."""
+        return join(self.root, name)
+
+    config = property(lambda self: self.entry(self.CONFIG))
+    checkpoints = property(lambda self: self.entry(self.CHECKPOINTS))
+    metrics = property(lambda self: self.entry(self.METRICS))
+    tensorboard = property(lambda self: self.entry(self.TENSORBOARD))
+    profile = property(lambda self: self.entry(self.PROFILE))
+    data = property(lambda self: self.entry(self.DATA))
+    data_record = property(lambda self: self.entry(self.DATA_RECORD))
+    lock = property(lambda self: self.entry(self.LOCK))
+    wandb_id = property(lambda self: self.entry(self.WANDB_ID))
+    eval = property(lambda self: self.entry(self.EVAL))
+    analysis = property(lambda self: self.entry(self.ANALYSIS))
+    logs = property(lambda self: self.entry(self.LOGS))
+
+    def data_dir(self, configured: str = "") -> str:
+        """The run's data: data.dir when given, else the bundled corpus prepared into `data/`."""
+        return configured or self.data
+
+    def eval_result(self, step: int) -> str:
+        """eval.py's result for checkpoint step `step`."""
+        return join(self.eval, f"step_{int(step)}.json")
+
+    def eval_results(self) -> dict[int, str]:
+        """Every eval.py result in `eval/`, by step."""
+        import re
+
+        found = {}
+        for p in glob(self.eval, "step_*.json"):
+            m = re.fullmatch(r"step_(\d+)\.json", path(p).name)
+            if m:
+                found[int(m.group(1))] = p
+        return found
+
+
+class Sweepdir:
+    """The files of a sweep's directory (experiments/sweep.py writes them, report.py reads them):
+    `grid.json`, `sweep_status.json`, each arm × seed's run in `ARM/seedN/` (a `Workdir`), and
+    the report (`report.json`, `report.md`, `report.png`); the sweep's lock is a `Workdir`'s
+    (`lock.json`, train/lock.py)."""
+
+    GRID, STATUS = "grid.json", "sweep_status.json"
+
+    def __init__(self, root):
+        self.root = os.fspath(root)
+
+    grid = property(lambda self: join(self.root, self.GRID))
+    status = property(lambda self: join(self.root, self.STATUS))
+
+    def run(self, arm: str, seed: int) -> Workdir:
+        return Workdir(join(self.root, arm, f"seed{seed}"))
+
+    def report(self, suffix: str) -> str:
+        """`report.json`, `report.md` or `report.png` (`suffix` "json", "md", "png")."""
+        return join(self.root, f"report.{suffix}")

@@ -1,8 +1,8 @@
 """The fused mixture loss (`loss.mixture_nll`: gradients in the forward pass, tiled
 over tokens) against plain autodiff (`plain_mixture_nll`): values and gradients for every
 head's mixture, unsharded and on an 8-device mesh with the vocabulary on 4 devices; every
-head module's `nll` fused against plain; and the compiled MoS train step holds no
-[tokens, V] fp32 buffer.
+head module's `nll` fused against plain; the compiled MoS train step holds no
+[tokens, V] fp32 buffer, nor the one-table ablation's validation step (model.loss_token_tile).
 
 Tolerances (fp32, `jax_default_matmul_precision=highest`): loss within 1e-5 relative; a
 gradient within 1e-5 × its largest entry, elementwise (test_fused.py's docstring explains
@@ -220,3 +220,48 @@ def test_mos_memory_bound_separates_plain(tiny_data):
     gradients. Run: pytest -m slow tests/test_fused_mixture.py"""
     temp = {loss: mos_step_temp_bytes(tiny_data, loss) for loss in ("fused", "plain")}
     assert temp["fused"] < 0.5 * ONE_LOGITS < 2 * ONE_LOGITS < temp["plain"], temp
+
+
+def ablation_eval_step(data_dir, **model):
+    """The validation step of the twin head's one-table ablation `a` (`validation.make_eval_step`),
+    tiny model, one device, 4 windows of 64 tokens, and its run."""
+    from onona_jax.eval import validation
+
+    cfg = tiny_config(data_dir, "twin")
+    cfg.mesh.data = 1
+    cfg.data.seq_len = 64
+    cfg.model.update(**model)
+    run = trainer.setup(cfg, jax.devices()[:1])
+    return validation.make_eval_step(run.graphdef, run.mesh, run.param_shardings, "a"), run
+
+
+ONE_TILE = 256 * 50304 * 4  # one [256 tokens, V] fp32 buffer: the default tile, and all 4 × 64 tokens
+
+
+def test_ablation_validation_honours_the_loss_token_tile(tiny_data):
+    """The one-table ablation's validation tiles its loss by model.loss_token_tile, as the main
+    validation does: with 16-token tiles its compiled step over 4 × 64 = 256 tokens needs less
+    temporary memory than half of one [256 tokens, V] fp32 buffer, so none exists; with the
+    default 256-token tile one tile is such a buffer, and the bound fails (it did for every tile
+    while the ablation ignored the key). Its NLL equals the plain (untiled) loss's to fp32
+    tolerance. (Measured: 3.3 MB with 16-token tiles, 51.6 MB with 256; the NLLs equal.)"""
+    from onona_jax.data import pipeline
+
+    tokens = jnp.asarray(pipeline.validation_windows(tiny_data, 64, 4))
+    weights = jnp.ones((4,), jnp.float32)
+    temp = {}
+    for tile in (16, 256):
+        step, run = ablation_eval_step(tiny_data, loss="fused", loss_token_tile=tile)
+        params = trainer.abstract_train_state(run)["params"]
+        abstract = (params, jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=run.batch_sharding),
+                    jax.ShapeDtypeStruct(weights.shape, weights.dtype))
+        temp[tile] = step.lower(*abstract).compile().memory_analysis().temp_size_in_bytes
+    assert temp[16] < 0.5 * ONE_TILE < ONE_TILE < temp[256], temp
+
+    params = trainer.init_state(run, 0)["params"]
+    plain, _ = ablation_eval_step(tiny_data, loss="plain")
+    tiled, _ = ablation_eval_step(tiny_data, loss="fused", loss_token_tile=16)
+    got, count = tiled(params, tokens, weights)
+    want, _ = plain(params, tokens, weights)
+    assert float(count) == 256
+    np.testing.assert_allclose(float(got), float(want), rtol=TOL)

@@ -1,5 +1,5 @@
-"""Training: the schedule, the step budget, equal losses across meshes, accumulation, and
-restoring a checkpoint onto another mesh."""
+"""Training: the schedule, the step budget, equal losses across meshes, accumulation,
+restoring a checkpoint onto another mesh, and the data opened and checked once at start-up."""
 
 import os
 
@@ -119,3 +119,52 @@ def test_metrics_log_causal_and_full_square_mfu_and_time_apart(tiny_data, tmp_pa
     assert steps[0]["step"] == 1 and steps[0]["compile_s"] > 0
     assert any("validation_s" in r for r in steps) and any("checkpoint_s" in r for r in steps)
     assert not any("compile_s" in r for r in steps[1:])
+
+
+class _StartedUp(Exception):
+    """Raised where the first train step would compile: the start-up is over."""
+
+
+@pytest.mark.parametrize("where", ["local", "bucket-stream"])
+def test_training_data_opened_and_checked_once(tiny_data, tmp_path, monkeypatch, request, where):
+    """Before step 1, `train` reads the data dir's manifest once, scans each local shard's token
+    ids once (the train split's against model.vocab_size too), and reads the held-out windows
+    once; a bucket data dir read by streaming (no scan: each block is checked as it is read)
+    is asked for its manifest once (the data's identity, recorded in the workdir, comes from it)."""
+    from pathlib import Path
+
+    from onona_jax.data import storage
+    from onona_jax.data.prepare import prepare
+    from onona_jax.train import loop
+
+    cfg = tiny_config(tiny_data, "standard")
+    if where == "bucket-stream":
+        cfg.data.update(dir=f"{request.getfixturevalue('fake_gcs')}/data", bucket_read="stream")
+        prepare([str(Path(tiny_data).parent / "austen_head.txt")], cfg.data.dir, heldout_fraction=0.1, block_bytes=64)
+    manifest = storage.read_manifest(cfg.data.dir)[1]
+    shards = sorted(s["file"] for split in ("train", "heldout") for s in manifest["splits"][split]["shards"]
+                    if s["tokens"])
+    scanned, parsed, vocab = [], [], []
+    check_ids, parse = pipeline.TokenStore._check_ids, storage.parse_manifest
+
+    def counting_check(self, arr, path):
+        scanned.append(Path(path).name)
+        vocab.append(self.vocab_size)
+        return check_ids(self, arr, path)
+
+    def counting_parse(*args):
+        parsed.append(args[1])
+        return parse(*args)
+
+    def started(run):
+        raise _StartedUp
+
+    monkeypatch.setattr(pipeline.TokenStore, "_check_ids", counting_check)
+    monkeypatch.setattr(storage, "parse_manifest", counting_parse)
+    monkeypatch.setattr(loop, "make_train_step", started)
+    workdir = tmp_path / "run"
+    with pytest.raises(_StartedUp):
+        loop.train(cfg, str(workdir), progress=False)
+    assert len(parsed) == 1, parsed
+    assert sorted(scanned) == (shards if where == "local" else []), scanned
+    assert set(vocab) <= {min(cfg.model.vocab_size, manifest["vocab"])}

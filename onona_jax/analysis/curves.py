@@ -27,7 +27,7 @@ from onona_jax import cli, paths
 def load_curve(workdir: str, metric: str = "val_loss") -> tuple[list[int], list[float]]:
     """(steps, values) of `metric` in DIR/metrics.jsonl, sorted by step, one value per step
     (the last row logged for that step). Raises ValueError when there is none."""
-    path = paths.join(workdir, "metrics.jsonl")
+    path = paths.Workdir(workdir).metrics
     if not paths.isfile(path):
         raise ValueError(f"{path} does not exist; is {workdir} a training run's --workdir?")
     by_step: dict[int, float] = {}
@@ -52,7 +52,7 @@ def load_curve(workdir: str, metric: str = "val_loss") -> tuple[list[int], list[
 
 def run_label(workdir: str) -> str:
     """The run's config name (DIR/config.json), else the directory's name."""
-    path = paths.join(workdir, "config.json")
+    path = paths.Workdir(workdir).config
     try:
         name = json.loads(paths.read_text(path)).get("name") or ""
     except (OSError, json.JSONDecodeError, AttributeError):

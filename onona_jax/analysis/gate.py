@@ -418,7 +418,7 @@ def _main(fv, args):
         raise cli.UsageError(f"unexpected arguments {args}")
     report, g, counts = analyze(fv.workdir, fv.step, fv.data_dir, fv.split, fv.top, fv.min_count,
                                 fv.max_tokens, cli.mesh(fv))
-    files = write(report, g, counts, fv.output_dir or paths.join(fv.workdir, "analysis"))
+    files = write(report, g, counts, fv.output_dir or paths.Workdir(fv.workdir).analysis)
     print(markdown(report))
     print("wrote " + ", ".join(files.values()), file=sys.stderr)
 

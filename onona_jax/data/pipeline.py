@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import grain
 import numpy as np
@@ -47,17 +48,28 @@ BUCKET_READS = ("copy", "stream")
 
 
 def open_store(data_dir: str | Path, split: str, vocab_size: int | None = None, cache_dir: str | None = None,
-               bucket_read: str = "copy"):
+               bucket_read: str = "copy", *, manifest: tuple[bytes, dict] | None = None,
+               model_vocab: int | None = None):
     """A split's token stream: memory-mapped shards (a local data dir, or a bucket's copied into
     `cache_dir`), or for a bucket with bucket_read="stream" a StreamStore that fetches and
-    verifies only the blocks read (onona_jax/data/stream.py)."""
+    verifies only the blocks read (onona_jax/data/stream.py).
+
+    Token ids are checked against `vocab_size` (default: the manifest's vocabulary), and also
+    against `model_vocab` when given: the smaller bound holds. `manifest`: the data dir's
+    manifest as already read (`store.manifest_file` of another split), not read again."""
     if bucket_read not in BUCKET_READS:
         raise ValueError(f"data.bucket_read={bucket_read!r} must be one of {', '.join(BUCKET_READS)}")
     if bucket_read == "stream" and paths.is_cloud(data_dir):
         from onona_jax.data.stream import StreamStore
 
-        return StreamStore(data_dir, split, vocab_size)
-    return TokenStore(data_dir, split, vocab_size, cache_dir)
+        return StreamStore(data_dir, split, vocab_size, manifest=manifest, model_vocab=model_vocab)
+    return TokenStore(data_dir, split, vocab_size, cache_dir, manifest=manifest, model_vocab=model_vocab)
+
+
+def id_bound(vocab_size: int | None, manifest: dict, model_vocab: int | None) -> int:
+    """The exclusive bound of a store's token ids (`open_store`)."""
+    bound = vocab_size or manifest["vocab"]
+    return min(bound, model_vocab) if model_vocab else bound
 
 
 class TokenStore:
@@ -69,15 +81,20 @@ class TokenStore:
     """
 
     def __init__(self, data_dir: str | Path, split: str, vocab_size: int | None = None,
-                 cache_dir: str | None = None):
-        d = storage.local_data_dir(data_dir, (split,), cache_dir)
+                 cache_dir: str | None = None, *, manifest: tuple[bytes, dict] | None = None,
+                 model_vocab: int | None = None):
+        d = storage.local_data_dir(data_dir, (split,), cache_dir, manifest)
         manifest_path = d / "manifest.json"
-        if not manifest_path.is_file():
-            raise ValueError(f"no prepared data at {d} (missing {manifest_path}); {_prepare_hint(d)}")
-        manifest = storage.parse_manifest(manifest_path.read_bytes(), str(manifest_path), d)
+        if manifest is None:
+            if not manifest_path.is_file():
+                raise ValueError(f"no prepared data at {d} (missing {manifest_path}); {_prepare_hint(d)}")
+            raw = manifest_path.read_bytes()
+            manifest = raw, storage.parse_manifest(raw, str(manifest_path), d)
+        self.manifest_file = manifest  # (raw bytes, parsed): what the store was opened from
+        manifest = manifest[1]
         shards = split_shards(manifest, split, manifest_path, d)
         self.data_dir, self.split, self.manifest = d, split, manifest
-        self.vocab_size = vocab_size or manifest["vocab"]
+        self.vocab_size = id_bound(vocab_size, manifest, model_vocab)
         self.shards: list[np.memmap] = []
         for s in shards:
             path = d / s["file"]
@@ -188,7 +205,7 @@ class TrainIterator(grain.DatasetIterator):
 
 
 def train_batches(
-    data_dir: str | Path,
+    data_dir,
     seq_len: int,
     global_batch: int,
     seed: int = 0,
@@ -201,7 +218,9 @@ def train_batches(
     cache_dir: str | None = None,
     bucket_read: str = "copy",
 ) -> TrainIterator:
-    """Endless iterator of np.int32 [global_batch // process_count, seq_len + 1] training batches.
+    """Endless iterator of np.int32 [global_batch // process_count, seq_len + 1] training batches
+    of `data_dir`'s train split (or of `data_dir` itself when it is that split already opened:
+    `open_store`, `RunData.train`; the other reading arguments are then not used).
 
     Slot j of global batch b is window perm[(b * global_batch + j) % num_windows] for one fixed
     permutation `perm` of `seed` (every epoch repeats it); process p gets slots
@@ -214,7 +233,9 @@ def train_batches(
         raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-    source = WindowSource(open_store(data_dir, "train", vocab_size, cache_dir, bucket_read), seq_len)
+    store = (open_store(data_dir, "train", vocab_size, cache_dir, bucket_read)
+             if isinstance(data_dir, (str, os.PathLike)) else data_dir)
+    source = WindowSource(store, seq_len)
     local = global_batch // process_count
     lo = process_index * local
 
@@ -240,9 +261,12 @@ def train_batches(
 
 def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int = 1234,
                        vocab_size: int | None = None, cache_dir: str | None = None,
-                       bucket_read: str = "copy") -> np.ndarray:
-    """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order."""
-    store = open_store(data_dir, "heldout", vocab_size, cache_dir, bucket_read)
+                       bucket_read: str = "copy", *, manifest: tuple[bytes, dict] | None = None,
+                       model_vocab: int | None = None) -> np.ndarray:
+    """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order
+    (`manifest`, `model_vocab`: see `open_store`)."""
+    store = open_store(data_dir, "heldout", vocab_size, cache_dir, bucket_read, manifest=manifest,
+                       model_vocab=model_vocab)
     source = WindowSource(store, seq_len)
     if len(source) < count:
         raise ValueError(f"held-out split of {data_dir} has only {len(source)} windows of seq_len + 1 = "
@@ -252,8 +276,7 @@ def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int
     return source.windows(ids)
 
 
-def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: float = 0.02,
-                        cache_dir: str | None = None, bucket_read: str = "copy") -> str:
+def prepare_bundled(data_dir: str | Path, heldout_fraction: float = 0.02) -> str:
     """Prepare the bundled Austen corpus into `data_dir` (local or a bucket) unless it already
     holds prepared data."""
     manifest = paths.join(data_dir, "manifest.json")
@@ -263,5 +286,41 @@ def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: fl
         except (ValueError, OSError):
             if not paths.isfile(manifest):  # else another process prepared it first
                 raise
+    return os.fspath(data_dir)
+
+
+def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: float = 0.02,
+                        cache_dir: str | None = None, bucket_read: str = "copy") -> str:
+    """`prepare_bundled`, then its train split checked for a window of `seq_len`."""
+    prepare_bundled(data_dir, heldout_fraction)
     open_store(data_dir, "train", None, cache_dir, bucket_read).num_windows(seq_len)  # fail now, not at the first batch
     return os.fspath(data_dir)
+
+
+class RunData(NamedTuple):
+    """A training run's data, opened and checked once (`open_for_training`): the train split's
+    store (a memory-mapped one has had every token id checked; a streaming one checks each
+    block as it reads it), the fixed held-out windows, and the manifest (raw bytes, parsed)
+    both were opened from, which names the data (`identity`)."""
+
+    data_dir: str
+    train: object  # TokenStore | stream.StreamStore
+    val_windows: np.ndarray
+    manifest: tuple[bytes, dict]
+
+    @property
+    def identity(self) -> str:
+        return storage.manifest_identity(*self.manifest)
+
+
+def open_for_training(data_dir: str | Path, seq_len: int, eval_windows: int, eval_seed: int = 1234,
+                      model_vocab: int | None = None, cache_dir: str | None = None,
+                      bucket_read: str = "copy") -> RunData:
+    """Open `data_dir` for a run: its train split (at least one window of `seq_len`: a short
+    split fails now, not at the first batch), then `eval_windows` held-out windows, both read
+    through one reading of the manifest and with ids below `model_vocab` too (`open_store`)."""
+    train = open_store(data_dir, "train", None, cache_dir, bucket_read, model_vocab=model_vocab)
+    train.num_windows(seq_len)
+    val = validation_windows(data_dir, seq_len, eval_windows, eval_seed, cache_dir=cache_dir, bucket_read=bucket_read,
+                             manifest=train.manifest_file, model_vocab=model_vocab)
+    return RunData(os.fspath(data_dir), train, val, train.manifest_file)

@@ -113,16 +113,17 @@ def _local(data_dir) -> Path:
 
 
 def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[str],
-                   cache_dir: str | None = None) -> Path:
+                   cache_dir: str | None = None, manifest: tuple[bytes, dict] | None = None) -> Path:
     """A local directory holding the manifest and `splits`' shards of `data_dir`.
 
     Local paths are returned as they are. A remote data dir's shards of `splits` are copied (once per
     host) into its cache dir and verified; an up-to-date cache is reused without reading the shards.
+    `manifest`: the remote manifest (raw bytes, parsed) as already read, not read again.
     """
     if not paths.is_cloud(data_dir):
         return _local(data_dir)
     data_dir = os.fspath(data_dir).rstrip("/")
-    raw, manifest = read_remote_manifest(data_dir)
+    raw, manifest = manifest or read_remote_manifest(data_dir)
     cache = cache_path(data_dir, cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     cached_manifest = cache / "manifest.json"
@@ -200,12 +201,9 @@ def data_identity(data_dir) -> str:
     return manifest_identity(*read_manifest(data_dir))
 
 
-RECORD = "data_verified.json"  # in the run's workdir
-
-
 def _read_record(record_dir) -> dict:
     try:
-        record = json.loads(paths.read_text(paths.join(record_dir, RECORD)))
+        record = json.loads(paths.read_text(paths.Workdir(record_dir).data_record))
     except (OSError, ValueError):
         return {}  # none yet (or unreadable: rebuilt by hashing)
     return record if isinstance(record, dict) else {}
@@ -216,7 +214,7 @@ def recorded_identity(record_dir) -> str | None:
     return _read_record(record_dir).get("identity")
 
 
-def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
+def verify_once(data_dir, record_dir, splits=("train", "heldout"), manifest: tuple[bytes, dict] | None = None) -> bool:
     """Check a LOCAL data dir's shards against the size and sha256 its manifest records,
     hashing each shard once per change. RECORD_DIR/data_verified.json (the run's workdir)
     keeps the data's identity and each verified shard's size, mtime and sha256; at every start
@@ -224,16 +222,18 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout")) -> bool:
     shard that was replaced or damaged is a ValueError naming it and the fix. A rewrite that
     keeps both size and mtime is not noticed (docs/DATA.md: the trade). Returns whether it
     hashed. A remote data dir is verified as it is copied (`local_data_dir`); only its identity
-    is recorded."""
-    record_path = paths.join(record_dir, RECORD)
+    is recorded. `manifest`: the data dir's (raw bytes, parsed) as already read (the run's
+    opened data, `pipeline.RunData`), not read again."""
+    record_path = paths.Workdir(record_dir).data_record
     old = _read_record(record_dir)
     if paths.is_cloud(data_dir):
-        new = {"data_dir": os.fspath(data_dir), "identity": data_identity(data_dir)}
+        identity = manifest_identity(*manifest) if manifest else data_identity(data_dir)
+        new = {"data_dir": os.fspath(data_dir), "identity": identity}
         if new != old:
             paths.write_json(record_path, new)
         return False
     d = _local(data_dir).resolve()
-    raw, manifest = read_manifest(d)
+    raw, manifest = manifest or read_manifest(d)
     # Only a record of this very directory vouches for its files.
     known = old.get("shards", {}) if old.get("data_dir") == str(d) and isinstance(old.get("shards"), dict) else {}
     shards, hashed = {}, False

@@ -44,11 +44,13 @@ class StreamStore:
     """One split of a bucket data dir as a token stream read by ranged, verified block fetches.
     Same reading interface as pipeline.TokenStore (`len`, `read`, `read_many`, `num_windows`)."""
 
-    def __init__(self, data_dir, split: str, vocab_size: int | None = None, cache_bytes: int = CACHE_BYTES):
+    def __init__(self, data_dir, split: str, vocab_size: int | None = None, cache_bytes: int = CACHE_BYTES, *,
+                 manifest: tuple[bytes, dict] | None = None, model_vocab: int | None = None):
         from onona_jax.data import pipeline
 
         data_dir = os.fspath(data_dir).rstrip("/")
-        _, manifest = storage.read_remote_manifest(data_dir)
+        self.manifest_file = manifest or storage.read_remote_manifest(data_dir)  # (raw bytes, parsed)
+        manifest = self.manifest_file[1]
         manifest_path = f"{data_dir}/manifest.json"
         shards = pipeline.split_shards(manifest, split, manifest_path, data_dir)
         for s in shards:
@@ -60,7 +62,7 @@ class StreamStore:
                                  f"{s['block_bytes']} bytes for shard {s['file']} of {2 * s['tokens']} bytes; the "
                                  f"manifest is damaged: {storage.prepare_hint(data_dir)} again")
         self.data_dir, self.split, self.manifest, self.shard_info = data_dir, split, manifest, shards
-        self.vocab_size = vocab_size or manifest["vocab"]
+        self.vocab_size = pipeline.id_bound(vocab_size, manifest, model_vocab)
         self.fs, root = paths._fs(data_dir)
         self.keys = [f"{root.rstrip('/')}/{s['file']}" for s in shards]
         self.offsets = np.cumsum([0] + [s["tokens"] for s in shards])  # stream position of each shard start

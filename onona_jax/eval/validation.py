@@ -80,7 +80,7 @@ def load(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None):
 
 
 def data_dir(cfg, workdir: str) -> str:
-    return cfg.data.dir or paths.join(workdir, "data")
+    return paths.Workdir(workdir).data_dir(cfg.data.dir)
 
 
 def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, loaded=None) -> dict:

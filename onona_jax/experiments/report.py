@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 
@@ -62,12 +61,8 @@ def summarize(values) -> dict:
 
 def latest_eval(run_dir: str):
     """(path, step) of run_dir/eval/step_<N>.json with the highest N, or None."""
-    best = None
-    for path in paths.glob(paths.join(run_dir, "eval"), "step_*.json"):
-        m = re.fullmatch(r"step_(\d+)\.json", paths.path(path).name)
-        if m and (best is None or int(m.group(1)) > best[1]):
-            best = (path, int(m.group(1)))
-    return best
+    found = paths.Workdir(run_dir).eval_results()
+    return (found[max(found)], max(found)) if found else None
 
 
 def _finite(x) -> bool:
@@ -77,7 +72,7 @@ def _finite(x) -> bool:
 def read_run(workdir: str, arm: dict, seed: int, status: dict) -> dict:
     """One arm × seed: status ok / missing / failed / invalid, and the eval file's values."""
     entry = status.get(f"{arm['name']}/seed{seed}", {})
-    found = latest_eval(paths.join(workdir, arm["name"], f"seed{seed}"))
+    found = latest_eval(paths.Sweepdir(workdir).run(arm["name"], seed).root)
     rec = dict(seed=seed, status="missing", path=None)
     if found:
         rec["path"] = os.fspath(paths.path(found[0]).relative_to(paths.path(workdir)))
@@ -122,11 +117,11 @@ def paired(a_runs: dict, b_runs: dict) -> dict:
 
 
 def build(workdir: str) -> dict:
-    grid_path = paths.join(workdir, "grid.json")
+    grid_path = paths.Sweepdir(workdir).grid
     if not paths.exists(grid_path):
         raise ValueError(f"{grid_path} not found; run python -m onona_jax.experiments.sweep --workdir={workdir} first")
     grid = json.loads(paths.read_text(grid_path))
-    status_path = paths.join(workdir, "sweep_status.json")
+    status_path = paths.Sweepdir(workdir).status
     status = json.loads(paths.read_text(status_path)) if paths.exists(status_path) else {}
     seeds = [int(s) for s in grid["seeds"]]
     runs = {a["name"]: {s: read_run(workdir, a, s, status) for s in seeds} for a in grid["arms"]}
@@ -313,12 +308,12 @@ def figure(report: dict, path: str) -> bool:
 def write(workdir: str) -> dict:
     """DIR/report.{json,md,png}, each written whole (`paths.write_atomic`)."""
     report = build(workdir)
-    paths.write_json(paths.join(workdir, "report.json"), report)
-    paths.write_atomic(paths.join(workdir, "report.md"), markdown(report))
+    paths.write_json(paths.Sweepdir(workdir).report("json"), report)
+    paths.write_atomic(paths.Sweepdir(workdir).report("md"), markdown(report))
     with tempfile.TemporaryDirectory() as tmp:  # matplotlib writes local files
         png = os.path.join(tmp, "report.png")
         if figure(report, png):
-            paths.upload(png, paths.join(workdir, "report.png"))
+            paths.upload(png, paths.Sweepdir(workdir).report("png"))
     return report
 
 

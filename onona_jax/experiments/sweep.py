@@ -67,7 +67,7 @@ def grid_info(name: str, size: str | None = None, root: str | None = None) -> di
 
 
 def run_dir(workdir: str, arm: str, seed: int) -> str:
-    return paths.join(workdir, arm, f"seed{seed}")
+    return paths.Sweepdir(workdir).run(arm, seed).root
 
 
 def _value(v) -> str:
@@ -96,7 +96,7 @@ def _read_json(path: str, default):
 
 def write_grid_json(workdir: str, info: dict, seeds, extra=()) -> dict:
     """DIR/grid.json; seeds already recorded there by an earlier call on this grid are kept."""
-    path = paths.join(workdir, "grid.json")
+    path = paths.Sweepdir(workdir).grid
     old = _read_json(path, None)
     if old is not None and (old.get("grid"), old.get("size")) != (info["grid"], info["size"]):
         raise ValueError(
@@ -152,7 +152,7 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
     [(stage, argv), ...] replaces the train/eval commands (tests)."""
     root = root or repo_root()
     command_fn = command_fn or (lambda arm, seed, wd, ex: commands(arm, seed, wd, ex, python))
-    status_path = paths.join(workdir, "sweep_status.json")
+    status_path = paths.Sweepdir(workdir).status
     status = _read_json(status_path, {})
     total, done = len(arms) * len(seeds), 0
     for arm in arms:
@@ -168,11 +168,11 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
             t0 = time.time()
             log(f"[{done}/{total}] {key}: {arm['spec']} {arm.get('overrides') or ''}".rstrip())
             for stage, argv in command_fn(arm, seed, workdir, extra):
-                rc, tail = _run_one(stage, argv, root, paths.join(rd, "logs"))
+                rc, tail = _run_one(stage, argv, root, paths.Workdir(rd).logs)
                 if rc != 0:
                     entry.update(status="failed", stage=stage, returncode=rc, stderr_tail=tail,
                                  command=shlex.join(argv))
-                    log(f"    {stage} failed with exit code {rc} (logs in {paths.join(rd, 'logs')})")
+                    log(f"    {stage} failed with exit code {rc} (logs in {paths.Workdir(rd).logs})")
                     break
             else:
                 entry.update(status="ok")

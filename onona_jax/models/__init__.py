@@ -132,9 +132,10 @@ class Model(nnx.Module):
             )
         E = self.head.ablation_table(table)
         h, _ = self.hidden(tokens, x0=jnp.take(E, tokens, axis=0))
-        return heads_lib.table_target_log_probs(h, (E,), targets, None, self.head.loss, self.head.chunk, layout)
+        return heads_lib.table_target_log_probs(h, (E,), targets, None, self.head.loss, self.head.chunk, layout,
+                                                self.head.token_tile)
 
-    # -- incremental decoding (serving.py). A cache is
+    # -- incremental decoding (serve/server.py). A cache is
     #    {"layers": per-layer caches (Trunk.init_cache), "length": slots written (int32 []),
     #     "start": left-pad slots of each row (int32 [B])}.
     # Rows are left-padded to a common length: row b's real tokens sit at slots start_b.. and

@@ -6,7 +6,7 @@
 
 Prints the continuation, then a line of timings: tokens/s of the decode loop (compile time
 excluded and reported separately). `--one_projection` samples exactly at temperature 1 with
-one V×d projection per token (twin heads; see serving.py). An empty prompt starts a document
+one V×d projection per token (twin heads; see serve/server.py). An empty prompt starts a document
 (end-of-text token).
 """
 

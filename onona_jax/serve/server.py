@@ -253,7 +253,7 @@ class Server:
                 if step is not None:
                     raise
                 if gone is not None:
-                    raise rotated_twice(paths.join(workdir, "checkpoints"), gone, used) from None
+                    raise rotated_twice(paths.Workdir(workdir).checkpoints, gone, used) from None
                 gone = used
                 print(f"note: checkpoint at step {used} was deleted after its head was read (a running train.py "
                       "keeps only its newest); reading the newest step again", file=sys.stderr)

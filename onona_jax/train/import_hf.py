@@ -42,7 +42,7 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
     config_lib.validate(cfg)
     hf_format.check_supported(cfg.model)
-    ckpt_dir = paths.join(workdir, "checkpoints")
+    ckpt_dir = paths.Workdir(workdir).checkpoints
 
     def refuse_a_used_workdir():
         if paths.isdir(ckpt_dir) and any(paths.path(ckpt_dir).iterdir()):
@@ -55,7 +55,7 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
         refuse_a_used_workdir()  # again, now that no other writer can start meanwhile
         params = jax.device_put(params, run.param_shardings)
         train_state = jax.jit(lambda p: new_state(run, p), out_shardings=run.state_shardings)(params)
-        paths.write_atomic(paths.join(workdir, "config.json"), cfg.to_json(indent=2))
+        paths.write_atomic(paths.Workdir(workdir).config, cfg.to_json(indent=2))
         ckpts = Checkpoints(ckpt_dir, keep=cfg.train.keep_checkpoints)
         # No data iterator to record: training on this workdir directly is refused by the
         # iterator's state check; start a new run with --config.init_from=<this workdir> instead.

@@ -49,8 +49,6 @@ import uuid
 
 from onona_jax import cli, paths
 
-LOCK_NAME = "lock.json"
-
 # A bucket lease not renewed for this long (as its observer sees it) has expired. Renewed
 # RENEWALS_PER_LEASE times per lease; long enough to ride out a slow or retried store request,
 # short enough that a run restarted after its host died waits at most this long.
@@ -230,7 +228,7 @@ class WorkdirLock:
 
     def __init__(self, workdir: str):
         self.workdir = workdir
-        self.path = paths.join(workdir, LOCK_NAME)
+        self.path = paths.Workdir(workdir).lock
         self.cloud = paths.is_cloud(self.path)
         self.lease_s = lease_seconds()
         self.held = False

@@ -137,9 +137,10 @@ class MetricsLog:
         import socket
 
         self.primary = jax.process_index() == 0
-        self.path = paths.join(workdir, "metrics.jsonl")
-        self.tb_path = paths.join(workdir, "tensorboard", f"events.out.tfevents.{int(time.time())}."
-                                                          f"{socket.gethostname()}.{os.getpid()}")
+        wd = paths.Workdir(workdir)
+        self.path = wd.metrics
+        self.tb_path = paths.join(wd.tensorboard, f"events.out.tfevents.{int(time.time())}."
+                                                  f"{socket.gethostname()}.{os.getpid()}")
         self.file = self.tb = None
         self.others = []  # each with write(step, metrics) and close() (never raising)
         if self.primary:
@@ -225,7 +226,7 @@ class Profiler:
         t = cfg.train
         self.first, self.last = t.profile_start, t.profile_start + t.profile_steps - 1
         self.on = t.profile_start > 0 and (t.profile_all_hosts or jax.process_index() == 0)
-        self.directory = paths.join(workdir, "profile")
+        self.directory = paths.Workdir(workdir).profile
         self.local = None
         self.tracing = self.done = False
 
@@ -279,14 +280,15 @@ def check_writable(directory: str):
                           "(or free space), then rerun the same command") from None
 
 
-def check_resume(cfg, run, workdir: str):
+def check_resume(cfg, run, workdir: str, data=None):
     """A rerun on a workdir with checkpoints must be the same run: every key outside
     config.RESUMABLE_KEYS as saved with the newest checkpoint, the same data (wherever it now
-    lies: `check_same_data`) and, if train.steps changed, the same learning rate for every
-    step already taken (`check_schedule`). Read-only; before any write."""
+    lies: `check_same_data`; `data`: the requested data as `train` opened it) and, if
+    train.steps changed, the same learning rate for every step already taken
+    (`check_schedule`). Read-only; before any write."""
     from onona_jax import config as config_lib
 
-    directory = paths.join(workdir, "checkpoints")
+    directory = paths.Workdir(workdir).checkpoints
     if not paths.isdir(directory):
         return
     newest = Checkpoints(directory, read_only=True).newest_config()
@@ -304,7 +306,7 @@ def check_resume(cfg, run, workdir: str):
             f"train the new one in a new --workdir (keys that may change on resume: "
             f"onona_jax/config.py RESUMABLE_KEYS)"
         )
-    check_same_data(saved, cfg, workdir)
+    check_same_data(saved, cfg, workdir, data)
     if run.steps < step:
         raise ValueError(f"train.steps resolves to {run.steps}, below the checkpoint's step {step} in "
                          f"{directory}; give train.steps >= {step} (or use a new --workdir)")
@@ -339,30 +341,31 @@ def check_schedule(saved, run, step: int, workdir: str):
     )
 
 
-def check_same_data(saved, cfg, workdir: str):
+def check_same_data(saved, cfg, workdir: str, data=None):
     """data.dir and data.cache_dir may change on resume (the data moved, or its local copy did)
     when the data is the same: the identity of the requested data dir (storage.data_identity:
-    its manifest's shard list) must equal the one recorded when the run last started
-    (WORKDIR/data_verified.json), or else the saved data dir's. Read-only."""
-
-    def where(c):  # data.dir="" is the bundled corpus, prepared into the workdir
-        return c.data.dir or paths.join(workdir, "data")
-
-    saved_dir, requested_dir = where(saved), where(cfg)
+    its manifest's shard list; `data.identity` when `train` has opened it) must equal the one
+    recorded when the run last started (WORKDIR/data_verified.json), or else the saved data
+    dir's. Read-only."""
+    wd = paths.Workdir(workdir)
+    saved_dir, requested_dir = wd.data_dir(saved.data.dir), wd.data_dir(cfg.data.dir)
     recorded = storage.recorded_identity(workdir)
     if recorded is None:  # a workdir of an older version: the saved data dir's manifest, if it is there
         try:
             recorded = storage.data_identity(saved_dir)
         except (ValueError, OSError):
             pass
-    try:
-        requested = storage.data_identity(requested_dir)
-    except (ValueError, OSError):
-        requested = None  # the bundled corpus not prepared yet (train() checked a given data.dir)
+    if data is not None:
+        requested = data.identity
+    else:
+        try:
+            requested = storage.data_identity(requested_dir)
+        except (ValueError, OSError):
+            requested = None  # the bundled corpus not prepared yet (train() opened a given data.dir)
     if recorded is None or requested is None:
         if saved.data.dir == cfg.data.dir:  # nothing to compare with, and the same data dir
             return
-        why = (f"no {paths.join(workdir, 'data_verified.json')} and no readable manifest in {saved_dir}"
+        why = (f"no {wd.data_record} and no readable manifest in {saved_dir}"
                if recorded is None else f"no readable manifest in {requested_dir}")
         raise ValueError(
             f"{workdir} holds a run trained on {saved_dir}; cannot tell whether {requested_dir} holds the same "
@@ -399,15 +402,16 @@ def save_failure(ckpts, err) -> cli.Failure:
 
 # What a start creates directly under the workdir (`_run`, before its first step; the lock's files
 # are the lock's), removed again when that start is refused (`_remove_new`).
-STARTUP_ENTRIES = ("checkpoints", "config.json", "data", storage.RECORD, "metrics.jsonl", "profile", "tensorboard",
-                   "wandb", "wandb_id")
+STARTUP_ENTRIES = (paths.Workdir.CHECKPOINTS, paths.Workdir.CONFIG, paths.Workdir.DATA, paths.Workdir.DATA_RECORD,
+                   paths.Workdir.METRICS, paths.Workdir.PROFILE, paths.Workdir.TENSORBOARD, paths.Workdir.WANDB,
+                   paths.Workdir.WANDB_ID)
 
 
 def _entries(workdir: str) -> set[str] | None:
     """Which of STARTUP_ENTRIES exist under `workdir` (process 0; None elsewhere)."""
     if jax.process_index() != 0:
         return None
-    return {name for name in STARTUP_ENTRIES if paths.exists(paths.join(workdir, name))}
+    return {name for name in STARTUP_ENTRIES if paths.exists(paths.Workdir(workdir).entry(name))}
 
 
 def _remove_new(workdir: str, before: set[str] | None):
@@ -417,7 +421,7 @@ def _remove_new(workdir: str, before: set[str] | None):
     if before is None:
         return
     for name in set(STARTUP_ENTRIES) - before:
-        entry = paths.path(paths.join(workdir, name))
+        entry = paths.path(paths.Workdir(workdir).entry(name))
         try:
             if entry.is_dir():
                 entry.rmtree()
@@ -427,21 +431,31 @@ def _remove_new(workdir: str, before: set[str] | None):
             pass
 
 
-def prepare_data(cfg, workdir: str) -> str:
-    """The token shards: cfg.data.dir, or the bundled corpus prepared once into the workdir."""
+def open_data(cfg, data_dir: str):
+    """The run's data opened and checked once (`pipeline.RunData`): the train split, ids below
+    model.vocab_size too, and the validation windows."""
     from onona_jax.data import pipeline
 
-    if cfg.data.dir:
-        return cfg.data.dir
-    data_dir = paths.join(workdir, "data")
+    return pipeline.open_for_training(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
+                                      model_vocab=cfg.model.vocab_size, cache_dir=cfg.data.cache_dir or None,
+                                      bucket_read=cfg.data.bucket_read)
+
+
+def prepare_data(cfg, workdir: str, data=None):
+    """The run's data (`pipeline.RunData`): `data` (cfg.data.dir, as `train` opened it), or the
+    bundled corpus prepared once into the workdir, then opened."""
+    from onona_jax.data import pipeline
+
+    if data is not None:
+        return data
+    data_dir = paths.Workdir(workdir).data
     if jax.process_index() == 0:
-        pipeline.ensure_bundled_data(data_dir, cfg.data.seq_len, cache_dir=cfg.data.cache_dir or None,
-                                     bucket_read=cfg.data.bucket_read)
+        pipeline.prepare_bundled(data_dir)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("bundled data prepared")
-    return data_dir
+    return open_data(cfg, data_dir)
 
 
 def take_lock(workdir: str) -> WorkdirLock:
@@ -470,33 +484,29 @@ def take_lock(workdir: str) -> WorkdirLock:
 def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     """Train (or resume) in `workdir`; returns the final evaluation. Holds the workdir's lock
     (`lock.json`) from its first write to its return, whatever ends the run."""
-    from onona_jax.data import pipeline
-
     run = setup(cfg, devices)  # every config check, before any write
     if cfg.train.profile_start > run.steps:
         raise ValueError(f"train.profile_start={cfg.train.profile_start} lies after the run's last step {run.steps}; "
                          f"give a step in 1..{run.steps} (or 0: no trace)")
     # Before anything compiles; an unwritable cache is an error line here, before the workdir is touched.
     compile_cache.use(cfg.train.compile_cache, cfg.train.compile_cache_min_s)
-    cache = cfg.data.cache_dir or None  # the local copy of a bucket data.dir (data/storage.py)
-    if cfg.data.dir:  # user data: check it before writing anything
-        pipeline.open_store(cfg.data.dir, "train", cfg.model.vocab_size, cache,
-                            cfg.data.bucket_read).num_windows(cfg.data.seq_len)
-        pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed, cache_dir=cache,
-                                    bucket_read=cfg.data.bucket_read)
-    if cfg.init_from and not paths.isdir(paths.join(cfg.init_from, "checkpoints")):
+    # User data is opened and checked here, once, before anything is written; the run reads it as
+    # opened (a bucket's shards copied into data.cache_dir, data/storage.py). The bundled corpus
+    # is prepared into the workdir, so after the lock is taken (`prepare_data`).
+    data = open_data(cfg, cfg.data.dir) if cfg.data.dir else None
+    if cfg.init_from and not paths.isdir(paths.Workdir(cfg.init_from).checkpoints):
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
-    check_resume(cfg, run, workdir)  # the same run, or exit 2 before any write
+    check_resume(cfg, run, workdir, data)  # the same run, or exit 2 before any write
     fresh = not paths.is_cloud(workdir) and not os.path.exists(workdir)
     try:
         lock = take_lock(workdir)
         try:
-            check_resume(cfg, run, workdir)  # again, now that no other run can write meanwhile
+            check_resume(cfg, run, workdir, data)  # again, now that no other run can write meanwhile
             if jax.process_count() > 1:  # every process has read the workdir before any writes to it
                 from jax.experimental import multihost_utils
 
                 multihost_utils.sync_global_devices("resume checked")
-            return _train(cfg, run, workdir, progress)
+            return _train(cfg, run, workdir, progress, data)
         finally:
             lock.release()
     finally:
@@ -507,7 +517,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
                 pass
 
 
-def _train(cfg, run, workdir: str, progress: bool) -> dict:
+def _train(cfg, run, workdir: str, progress: bool, data=None) -> dict:
     # The whole run, its failure and the waits after it inside the filter: Orbax's writers fail in
     # their own threads, and a failure waits for them (`Checkpoints.stop`), so they report in here.
     with without_orbax_tracebacks():
@@ -515,7 +525,7 @@ def _train(cfg, run, workdir: str, progress: bool) -> dict:
         held = {}  # what `_run` opened: "ckpts", "log", "bar", "profiler"; "stepping" once start-up is done
         failed = True
         try:
-            result = _run(cfg, run, workdir, progress, held)
+            result = _run(cfg, run, workdir, progress, held, data)
             failed = False
             return result
         finally:
@@ -542,42 +552,41 @@ def _still_locked() -> bool:
     return True
 
 
-def _run(cfg, run, workdir: str, progress: bool, held: dict) -> dict:
+def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
     from tqdm import tqdm
 
     from onona_jax.data import pipeline
 
-    check_writable(paths.join(workdir, "checkpoints"))
+    wd = paths.Workdir(workdir)
+    check_writable(wd.checkpoints)
     profiler = held["profiler"] = Profiler(cfg, workdir)
     profiler.check()
     try:  # (a full disk here is a runtime refusal: `_train` removes what this start made)
-        data_dir = prepare_data(cfg, workdir)
-        cache = cfg.data.cache_dir or None
+        data = prepare_data(cfg, workdir, data)
         if jax.process_index() == 0:  # every shard against the manifest's hash, once per change of the shard
-            storage.verify_once(data_dir, workdir)
+            storage.verify_once(data.data_dir, workdir, manifest=data.manifest)
     except OSError as err:
         what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
         raise cli.Failure(f"could not prepare or check the data for {workdir} ({what}); free space (or fix "
                           "that file's permissions), then rerun the same command") from None
-    val_windows = pipeline.validation_windows(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
-                                              cache_dir=cache, bucket_read=cfg.data.bucket_read)
+    val_windows = data.val_windows
     if jax.process_index() == 0:
         try:  # atomic: a failed write leaves the old config.json
-            paths.write_json(paths.join(workdir, "config.json"), json.loads(cfg.to_json()))
+            paths.write_json(wd.config, json.loads(cfg.to_json()))
         except OSError as err:
-            raise cli.Failure(f"could not write {workdir}/config.json ({err.strerror or err}); free space "
+            raise cli.Failure(f"could not write {wd.config} ({err.strerror or err}); free space "
                               "or make the workdir writable, then rerun the same command") from None
 
-    ckpts = held["ckpts"] = Checkpoints(paths.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    ckpts = held["ckpts"] = Checkpoints(wd.checkpoints, keep=cfg.train.keep_checkpoints)
     removed = ckpts.remove_unfinished()  # a failed or killed save's leftovers
     if removed:
         print(f"removed unfinished checkpoint directories {removed} from {ckpts.directory} (saves that "
               "failed or were killed)", file=sys.stderr)
     restored = ckpts.restore_latest(abstract_train_state(run))
     batches = pipeline.train_batches(
-        data_dir, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(), cache_dir=cache,
-        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, bucket_read=cfg.data.bucket_read,
+        data.train, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
     )
     if restored is None:
         start, state = 0, init_state(run, cfg.seed)

@@ -15,8 +15,6 @@ import secrets
 
 from onona_jax import cli, paths
 
-ID_FILE = "wandb_id"
-
 
 def local_dir(workdir: str) -> str | None:
     """Where W&B keeps its files (it syncs them itself): `<workdir>/wandb` for a local workdir;
@@ -28,7 +26,7 @@ class WandbLog:
     def __init__(self, cfg, workdir: str):
         import wandb  # (config.validate has checked it is installed)
 
-        id_path = paths.join(workdir, ID_FILE)
+        id_path = paths.Workdir(workdir).wandb_id
         try:
             run_id = paths.read_text(id_path).strip() if paths.exists(id_path) else ""
             if not run_id:
