@@ -16,8 +16,8 @@ import pytest
 from onona_jax.aot.fit import modelled_time, recomputed_flops_per_token
 from onona_jax.aot.hlo import collective_bytes, hbm_bytes
 from onona_jax.aot.steps import compile_train, expected_argument_bytes, parse_resource_exhausted
-from onona_jax.aot.topology import (SLICES, GiB, compiler_missing, cudnn_missing, get_slice, libtpu_missing,
-                                    topology_devices)
+from onona_jax.aot.topology import (SLICES, GiB, compiler_missing, cudnn_missing, get_slice, gpu_target,
+                                    libtpu_missing, topology_devices)
 
 needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
 
@@ -122,6 +122,20 @@ def test_h100_compile_runs_cudnn_flash_attention():
     cfg.mesh.update(data=-1, fsdp=1, tensor=1)
     report = compile_train(cfg, get_slice("h100-8"))
     assert report["attention_kernels"] == ["cudnn:__cudnn$fmhaSoftmax", "cudnn:__cudnn$fmhaSoftmaxBackward"]
+
+
+def test_gpu_compile_target_and_slice_hbm_read_the_one_chip_table():
+    """`chips.CHIPS` is the one table of hardware peaks: a slice's HBM and the GPU compile
+    target's memory and bandwidth (what CUDA reports for an H100) are its rows."""
+    from onona_jax import chips
+
+    target = gpu_target("h100")
+    assert "device_memory_size: 84929347584\n" in target and "memory_bandwidth: 3352320000000\n" in target
+    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in target
+    assert get_slice("h100-8").hbm_per_device == chips.CHIPS["h100"].hbm_bytes == 84_929_347_584
+    assert get_slice("h200-8").hbm_per_device == 150_754_820_096
+    assert get_slice("v5e-16").hbm_per_device == 16 * GiB
+    assert get_slice("v4-8").hbm_per_device == 16 * GiB  # a v4 chip is two devices in libtpu's description
 
 
 def test_modelled_step_time_and_recompute_by_policy():
