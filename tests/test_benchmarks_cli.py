@@ -1,7 +1,7 @@
-"""The benchmark scripts that build a train step from a config (benchmarks/step_ab.py,
-code_ab.py, gemm_floor.py, profile_step.py) speak the package's command line: `--config.*`
+"""The benchmark scripts that take a config speak the package's command line: `--config.*`
 overrides, and bad usage is one `error:` line and exit status 2, found before any compile or
-worker process. The retired `--set` names its replacement."""
+worker process. The retired `--set` (step_ab.py, code_ab.py, gemm_floor.py, profile_step.py)
+names its replacement."""
 
 import os
 import sys
@@ -13,7 +13,9 @@ from conftest import REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the scripts import common.py from beside them
 import code_ab  # noqa: E402
 import common  # noqa: E402
+import compile_cache  # noqa: E402
 import gemm_floor  # noqa: E402
+import peer  # noqa: E402
 import profile_step  # noqa: E402
 import step_ab  # noqa: E402
 
@@ -34,7 +36,7 @@ def test_retired_set_names_config_overrides(capsys, script):
     assert "--set is retired" in err and "--config.model.d_model=512" in err
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("script", SCRIPTS + [peer, compile_cache], ids=lambda m: m.__name__)
 def test_unknown_config_key_is_one_error_line(capsys, script):
     err = _error(capsys, script, TINY, "--config.model.d_modle=64")
     assert "d_modle" in err
