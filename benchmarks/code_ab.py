@@ -2,13 +2,16 @@
 
     git worktree add /tmp/base HEAD        # the code before your change
     flock /tmp/onona-heavy.lock python benchmarks/code_ab.py --base=/tmp/base --rounds=10 \
-        --head=standard --set=model.d_model=512,model.n_layers=8,...
+        --config=configs/paper.py:dense-small-standard --config.model.d_model=512 --config.model.n_layers=8 ...
 
 `benchmarks/step_ab.py` compares config variants of one checkout; this compares code. Each side
-is compiled by its own checkout's `benchmarks/peer.py` (`jax_side`: one device, the whole batch
-a step) in a spawned process, from the same seed and batch; the first-step losses must agree
-to 1e-5 relative. Round r runs one step of each side, the order alternating (`peer.paired_rounds`). Prints the
-medians and the median over rounds of this checkout's time / the base's.
+is compiled by its own checkout's benchmark library (`benchmarks/common.py`'s `jax_config` and
+`jax_side`: one device, the whole batch a step; a checkout from before common.py has them in
+`benchmarks/peer.py`) in a spawned process, from the same seed and batch. `--config` (relative
+to each checkout: run this from this checkout's root; or absolute) and its `--config.*`
+overrides apply to both. The first-step losses must agree to 1e-5 relative. Round r runs one
+step of each side, the order alternating (`common.paired_rounds`). Prints the medians and the
+median over rounds of this checkout's time / the base's.
 """
 
 from __future__ import annotations
@@ -18,26 +21,34 @@ import os
 import statistics
 import sys
 
-from absl import app, flags
-
+# Nothing of onona_jax (nor benchmarks/common.py) is imported at the top: each spawned worker
+# re-imports this file, and must import those from its own checkout.
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-flags.DEFINE_string("base", None, "root of the other checkout (e.g. a git worktree of HEAD)", required=True)
-flags.DEFINE_string("config", "configs/paper.py:dense-small-standard", "config spec, relative to each checkout")
-flags.DEFINE_string("head", "standard", "model.head")
-flags.DEFINE_list("set", [], "key=value overrides for both sides")
-flags.DEFINE_integer("rounds", 10, "paired rounds")
-FLAGS = flags.FLAGS
+DEFAULT_CONFIG = os.path.join(HERE, "configs", "paper.py") + ":dense-small-standard"
 
 
-def _worker(conn, root, spec, overrides, head):
-    """`peer.Worker`'s protocol: ready with the first-step loss, then one step a "step"."""
+def library(root: str) -> str:
+    """The module of `root`'s checkout that holds jax_config and jax_side."""
+    return "common" if os.path.isfile(os.path.join(root, "benchmarks", "common.py")) else "peer"
+
+
+def _worker(conn, root, spec, overrides):
+    """`common.Worker`'s protocol: ready with the first-step loss, then one step a "step"."""
     try:
         sys.path[:0] = [root, os.path.join(root, "benchmarks")]
-        import numpy as np
-        import peer  # this checkout's
+        import importlib
 
-        cfg = peer.jax_config(os.path.join(root, spec), overrides, head)
-        step = peer.jax_side(cfg)[3]
+        import numpy as np
+
+        lib = importlib.import_module(library(root))  # this checkout's
+        path = os.path.join(root, spec)
+        if lib.__name__ == "common":
+            cfg = lib.jax_config(path, overrides)
+        else:  # a checkout from before common.py: peer.jax_config(spec, overrides, head)
+            from onona_jax import config as config_lib
+
+            cfg = lib.jax_config(path, overrides, overrides.get("model.head", config_lib.load(path).model.head))
+        step = lib.jax_side(cfg)[3]
         tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
                                                    (cfg.train.global_batch, cfg.data.seq_len + 1))
         loss = step(tokens)[0]
@@ -52,16 +63,39 @@ def _worker(conn, root, spec, overrides, head):
         conn.close()
 
 
-def main(argv):
-    del argv
+def define(fv, argv):
+    from absl import flags
 
-    base = os.path.abspath(FLAGS.base)
-    if not os.path.isfile(os.path.join(base, "benchmarks", "peer.py")):
-        raise SystemExit(f"error: --base={FLAGS.base} is not an onona-jax checkout (no benchmarks/peer.py); "
-                         "make one with `git worktree add /tmp/base HEAD`")
-    extra = peer.overrides(FLAGS.set)
+    import common
+    from onona_jax import config as config_lib
+
+    common.refuse_set(argv)
+    flags.DEFINE_string("base", None, "root of the other checkout (e.g. a git worktree of HEAD)", flag_values=fv)
+    flags.DEFINE_integer("rounds", 10, "paired rounds", flag_values=fv)
+    return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
+
+
+def _main(fv, rest, argv):
+    import common  # this checkout's: Worker, paired_rounds
+    from onona_jax import cli
+
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    if not fv.base:
+        raise cli.UsageError("--base is required: the root of the other checkout, e.g. made with "
+                             "`git worktree add /tmp/base HEAD`")
+    if fv.rounds < 1:
+        raise cli.UsageError(f"--rounds={fv.rounds}: give at least 1")
+    base = os.path.abspath(fv.base)
+    if not os.path.isfile(os.path.join(base, "benchmarks", library(base) + ".py")):
+        raise cli.UsageError(f"--base={fv.base} is not an onona-jax checkout (no benchmarks/common.py); "
+                             "make one with `git worktree add /tmp/base HEAD`")
+    spec, overrides = common.config_args(fv, argv, DEFAULT_CONFIG)
+    if spec.startswith(HERE + os.sep):  # this checkout's config file: each side reads its own
+        spec = os.path.relpath(spec, HERE)
+    common.cpu_only()  # the workers inherit it
     ctx = mp.get_context("spawn")
-    sides = [peer.Worker(ctx, name, _worker, (root, FLAGS.config, extra, FLAGS.head))
+    sides = [common.Worker(ctx, name, _worker, (root, spec, overrides))
              for name, root in (("base", base), ("this", HERE))]
     try:
         first = {}
@@ -69,9 +103,9 @@ def main(argv):
             first[w.name] = w.ready()["loss1"]
             print(f"{w.name} ({root}): first-step loss {first[w.name]:.7f}", flush=True)
         if abs(first["this"] - first["base"]) > 1e-5 * abs(first["base"]):
-            raise SystemExit(f"error: first-step losses differ ({first}): the two checkouts do not compute the "
-                             "same step; compare a change that keeps the step's values, or fix the one that changed them")
-        times = peer.paired_rounds(sides, FLAGS.rounds, print)
+            raise cli.Failure(f"first-step losses differ ({first}): the two checkouts do not compute the same step; "
+                              "compare a change that keeps the step's values, or fix the one that changed them")
+        times = common.paired_rounds(sides, fv.rounds, print)
     finally:
         for w in sides:
             w.stop()
@@ -80,8 +114,13 @@ def main(argv):
     print(f"this / base, paired: {statistics.median(b / a for a, b in zip(times['base'], times['this'])):.3f}")
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
-    import peer  # this checkout's: its --set parser, Worker and errors_as_exit
+def main(argv=None) -> int:
+    from onona_jax import cli
 
-    app.run(peer.errors_as_exit(main))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))  # this checkout's common.py
+    sys.exit(main())

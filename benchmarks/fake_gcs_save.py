@@ -1,6 +1,6 @@
 """Checkpoint save and restore time on local disk vs the fake GCS of the tests (tests/fake_gcs.py).
 
-    python benchmarks/fake_gcs_save.py [--rounds 5]
+    python benchmarks/fake_gcs_save.py [--rounds=5]
 
 The tiny model's train state (random values, sharded over 8 fake CPU devices, mesh 2×2×2) is
 saved and restored with `onona_jax.checkpoint.Checkpoints`, alternately to a local directory
@@ -9,7 +9,6 @@ median seconds of each. Says whether the fake adds stalls of its own (it added 1
 over 1 MB and 40 ms per request before it spoke HTTP/1.1 with TCP_NODELAY).
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,16 +23,24 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from absl import flags  # noqa: E402
+
 import fake_gcs  # noqa: E402
 from conftest import tiny_config  # noqa: E402
+from onona_jax import cli  # noqa: E402
 from onona_jax import train as trainer  # noqa: E402
 from onona_jax.checkpoint import Checkpoints  # noqa: E402
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+def define(fv, argv):
+    flags.DEFINE_integer("rounds", 5, "timed rounds (after one untimed)", flag_values=fv)
+
+
+def _main(args, rest):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    if args.rounds < 1:
+        raise cli.UsageError(f"--rounds={args.rounds}: give at least 1")
     server = fake_gcs.start()
     bucket = server.new_bucket()
     cfg = tiny_config("/nonexistent")  # only the model and mesh are used: no data is read
@@ -64,4 +71,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(define, _main, None, __doc__))

@@ -79,11 +79,12 @@ def define(fv, argv):
 
 
 def _main(fv, args):
-    from onona_jax import aot, config, models
+    from onona_jax import config, models
+    from onona_jax.aot.topology import get_slice, topology_devices
 
     cfg = config.validate(fv.config)
-    s = aot.get_slice(fv.topology)
-    devices = aot.topology_devices(s)
+    s = get_slice(fv.topology)
+    devices = topology_devices(s)
     fn, fargs = _step(cfg, devices) if fv.step else _layer(cfg, devices[0], fv.batch)
     load = os.getloadavg()[0]
     start, cpu = time.perf_counter(), time.process_time()

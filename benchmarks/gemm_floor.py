@@ -1,14 +1,15 @@
 """A train step's matrix multiplies alone, XLA:CPU against PyTorch's, at the same shapes: how
 much of the peer gap (docs/PERFORMANCE.md) is the GEMM library rather than our code.
 
-    flock /tmp/onona-heavy.lock python benchmarks/gemm_floor.py --head=standard \
-        --set=model.d_model=512,model.n_layers=8,model.n_heads=8,model.n_kv_heads=4,model.head_dim=64,model.d_ff=1408,train.global_batch=4,data.seq_len=256
+    flock /tmp/onona-heavy.lock python benchmarks/gemm_floor.py --config=configs/paper.py:dense-small-standard \
+        --config.model.d_model=512 --config.model.n_layers=8 --config.model.n_heads=8 --config.model.n_kv_heads=4 \
+        --config.model.head_dim=64 --config.model.d_ff=1408 --config.train.global_batch=4 --config.data.seq_len=256
 
 Lists the GEMMs of one train step of the dense model: per layer, the forward, ∂x and ∂W of
 the seven projections; per vocabulary table, the logits, ∂h and ∂table, over the fused loss's
 token tiles for onona-jax (`model.loss_token_tile`) and over the whole batch for PyTorch (its
 cross-entropy computes them so). Each framework runs in its own process (both keep freed
-memory, `peer.keep_freed_memory`) and times each GEMM alone, in its own layout (ours: weights
+memory, `common.keep_freed_memory`) and times each GEMM alone, in its own layout (ours: weights
 [in, out], tables [V, d], `jnp.einsum` under `jit`; PyTorch's: `Linear` weights [out, in],
 `x @ W.T`, `dy @ W`, `dy.T @ x`), one call per GEMM a round, the two processes taking turns
 for `--rounds` rounds; a GEMM's time is its median over rounds. The attention core (Q·Kᵀ,
@@ -28,17 +29,14 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peer  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax is imported)
+import common  # benchmarks/common.py, beside this script
+import peer  # its measure: the whole step against torch.compile
+from onona_jax import cli
 
-flags.DEFINE_string("config", f"{peer.CONFIGS}:dense-small-standard", "config spec")
-flags.DEFINE_enum("head", "standard", list(peer.HEADS), "model.head (twin: two tables)")
-flags.DEFINE_list("set", [], "key=value overrides")
-flags.DEFINE_integer("rounds", 9, "rounds of every GEMM on each side")
-flags.DEFINE_integer("step_rounds", 0, "also time the whole step (peer.measure) over this many paired rounds")
-FLAGS = flags.FLAGS
+common.cpu_only()  # the PyTorch side runs on the CPU
+DEFAULT_CONFIG = f"{common.CONFIGS}:dense-small-standard"
 OPS = ("forward", "∂x", "∂W")
 
 
@@ -102,9 +100,9 @@ def _torch_fns(specs):
 
 
 def _worker(conn, side, specs, threads):
-    """`peer.Worker`'s protocol: ready, then each "step" times every GEMM once."""
+    """`common.Worker`'s protocol: ready, then each "step" times every GEMM once."""
     try:
-        peer.keep_freed_memory()  # no GEMM pays page faults for its output
+        common.keep_freed_memory()  # no GEMM pays page faults for its output
         if side == "torch":
             import torch
 
@@ -130,11 +128,11 @@ def measure(cfg, head, rounds, log) -> dict:
     specs = gemms(cfg, head)
     threads = len(os.sched_getaffinity(0))
     ctx = mp.get_context("spawn")
-    workers = [peer.Worker(ctx, side, _worker, (side, specs, threads)) for side in ("jax", "torch")]
+    workers = [common.Worker(ctx, side, _worker, (side, specs, threads)) for side in ("jax", "torch")]
     try:
         for w in workers:
             w.ready()
-        times = peer.paired_rounds(workers, rounds, log,  # logs each side's GEMMs of one step
+        times = common.paired_rounds(workers, rounds, log,  # logs each side's GEMMs of one step
                                    lambda side, ts: sum(s * g[side][1] for s, g in zip(ts, specs)))
     finally:
         for w in workers:
@@ -165,26 +163,46 @@ def format_result(res) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    del argv
-    cfg = peer.jax_config(FLAGS.config, peer.overrides(FLAGS.set), FLAGS.head)
-    if cfg.model.arch != "dense":
-        raise SystemExit(f"error: model.arch={cfg.model.arch!r}: the GEMM list is the dense Qwen3 body's")
+def define(fv, argv):
+    from onona_jax import config as config_lib
+
+    common.refuse_set(argv)
+    flags.DEFINE_integer("rounds", 9, "rounds of every GEMM on each side", flag_values=fv)
+    flags.DEFINE_integer("step_rounds", 0, "also time the whole step (peer.measure) over this many paired rounds",
+                         flag_values=fv)
+    return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
+
+
+def _main(fv, rest, argv):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    if fv.rounds < 1 or fv.step_rounds < 0:
+        raise cli.UsageError("--rounds must be ≥ 1 and --step_rounds ≥ 0")
+    spec, overrides = common.config_args(fv, argv, DEFAULT_CONFIG)
+    cfg = common.jax_config(spec, overrides)
+    head = cfg.model.head
+    if cfg.model.arch != "dense" or head not in peer.HEADS:
+        raise cli.UsageError(f"model.arch={cfg.model.arch!r}, model.head={head!r}: the GEMM list is the dense "
+                             f"Qwen3 body's under the {' or '.join(peer.HEADS)} head")
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    res = measure(cfg, FLAGS.head, FLAGS.rounds, log)
-    print(f"GEMMs of a {FLAGS.head} train step, median of {FLAGS.rounds} rounds, {res['threads']} threads")
+    res = measure(cfg, head, fv.rounds, common.log)
+    print(f"GEMMs of a {head} train step, median of {fv.rounds} rounds, {res['threads']} threads")
     print(format_result(res))
-    if FLAGS.step_rounds > 0:
-        step = peer.measure(FLAGS.config, peer.overrides(FLAGS.set), [FLAGS.head], ["jax", "torch_compile"],
-                            FLAGS.step_rounds, 3, "fused", log, keep_memory=True)  # as the GEMMs ran
-        j, t = (step["rows"][peer.variant(k, FLAGS.head)]["median_s"] for k in ("jax", "torch_compile"))
-        print(f"Train step, median of {FLAGS.step_rounds} paired rounds: onona-jax {j:.3f} s = GEMMs "
+    if fv.step_rounds > 0:
+        step = peer.measure(spec, overrides, [head], ["jax", "torch_compile"],
+                            fv.step_rounds, 3, "fused", common.log, keep_memory=True)  # as the GEMMs ran
+        j, t = (step["rows"][peer.variant(k, head)]["median_s"] for k in ("jax", "torch_compile"))
+        print(f"Train step, median of {fv.step_rounds} paired rounds: onona-jax {j:.3f} s = GEMMs "
               f"{res['jax_total_s']:.3f} + other {j - res['jax_total_s']:.3f}; torch.compile {t:.3f} s = GEMMs "
               f"{res['torch_total_s']:.3f} + other {t - res['torch_total_s']:.3f}")
         print(f"  with XLA:CPU's GEMMs, matching torch.compile's step leaves {t - res['jax_total_s']:.3f} s "
               f"for everything else (torch.compile itself: {t - res['torch_total_s']:.3f} s)")
 
 
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+
+
 if __name__ == "__main__":
-    app.run(peer.errors_as_exit(main))
+    sys.exit(main())

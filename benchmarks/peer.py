@@ -24,7 +24,7 @@ Variants, per head (standard: the tied softmax; twin: the Figure 2 `TwinTables`)
 Every variant runs in its own process (built once, compiled, warmed up), which serves "one
 step, report its time" requests over a pipe; `OMP_WAIT_POLICY=PASSIVE`, torch threads =
 the cores this process may use; with `--keep_freed_memory`, glibc keeps what each worker
-frees (`keep_freed_memory` says why; off by default, as users run both frameworks). The jax
+frees (`common.keep_freed_memory` says why; off by default, as users run both frameworks). The jax
 worker initialises the parameters (`train.init_state`, `cfg.seed`) and hands them to the
 torch workers, which load them through `serve.convert.to_hf_state_dict`
 (`TwinQwen3.load_from_jax`). Before any timing, every
@@ -42,7 +42,6 @@ ratio); and jax's twin/standard step-time ratio against the model FLOP ratio
 
 from __future__ import annotations
 
-import ast
 import datetime
 import multiprocessing as mp
 import os
@@ -52,16 +51,16 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from absl import flags
 
+import common  # benchmarks/common.py, beside this script
 from onona_jax import cli, paths
 
-# The torch peer runs on the CPU, so jax does too (not an installed TPU/GPU plugin); set before
-# jax is imported here or in a worker (which imports this module first).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper.py"
+# The torch peer runs on the CPU, so jax does too; set before jax is imported here or in a
+# worker (which imports this module first).
+common.cpu_only()
+DEFAULT_CONFIG = f"{common.CONFIGS}:dense-small-twin"
 KINDS = ("jax", "torch_eager", "torch_compile")
 HEADS = ("standard", "twin")
 # fp32 on both sides: the loss is a mean of ~10^3 log-probabilities of size ~ln V ≈ 11 from
@@ -74,123 +73,11 @@ LOSS_RTOL = 1e-5
 STEP2_RTOL = 1e-3
 
 
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc keep the memory this process frees, for its next allocation; True if set.
-    Call it before jax or torch starts its threads.
-
-    Both frameworks allocate a step's large temporaries afresh at every step (XLA:CPU one
-    0.9 GB buffer at d 512; torch each [tokens, V] tensor) and free them after. glibc serves an
-    allocation that large with a fresh mmap (from a worker thread's arena whatever
-    M_MMAP_MAX says) and unmaps it on free, so every step faults its temporaries in again page
-    by page (220,796 minor faults a step for our d 512 step), and that costs more right after
-    the other framework's process ran: our step took 2.0 s after one of its own and 2.5 s after
-    torch's (docs/PERFORMANCE.md). One arena, no mmap and no trimming keep the memory for the
-    next step, so a variant's time is its computation, not its allocator's page faults nor the
-    order of the rounds. The cost, which is why train.py does not do this: the heap fragments
-    and the process keeps its peak (peak RSS 4.44 GiB instead of 2.03 GiB for that step,
-    `profile_step.py`)."""
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    # -1 as glibc's size_t trim threshold: never trim
-    return all([mallopt(_M_ARENA_MAX, 1) == 1, mallopt(_M_MMAP_MAX, 0) == 1, mallopt(_M_TRIM_THRESHOLD, -1) == 1])
-
-
 def variant(kind: str, head: str) -> str:
     return f"{kind}/{head}"
 
 
-def overrides(items) -> dict:
-    """`key=value` strings as a dict; values parsed as Python literals where they parse."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"{item!r}: expected key=value")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
-
-
-def errors_as_exit(main):
-    """An absl `app.run` main whose anticipated failures (`cli.Failure`, a bad value) end in one
-    `error:` line, for the benchmark scripts beside this one."""
-
-    def run(argv):
-        try:
-            return main(argv)
-        except (cli.Failure, ValueError, TypeError) as err:  # TypeError: a config value of the wrong type
-            raise SystemExit(f"error: {err}") from None
-
-    return run
-
-
-# ----------------------------------------------------------------------------- the jax side
-
-
-def jax_config(spec: str, overrides: dict, head: str):
-    """`spec` with the `--config` overrides, `head`, one device and the whole batch a step."""
-    from onona_jax import config as config_lib
-
-    cfg = config_lib.load(spec)
-    unknown = sorted(set(overrides) - set(config_lib.flatten(cfg)))
-    if unknown:  # update_from_flattened_dict would add them silently
-        raise cli.UsageError(f"unknown config keys {', '.join(unknown)}: every key is in onona_jax/config.py")
-    if overrides:
-        cfg.update_from_flattened_dict(overrides)
-    cfg.model.head = head
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = 1, 1, 1, 1
-    cfg.train.micro_batch = cfg.train.global_batch
-    return config_lib.validate(cfg)
-
-
-def jax_side(cfg):
-    """(params as numpy, {HF name: decays?}, parameter count, step fn) of onona-jax's train
-    step at `cfg`, compiled; step(tokens) runs one step and returns (loss, seconds)."""
-    import jax
-    import numpy as np
-
-    from onona_jax import models, train as trainer
-    from onona_jax.params import logical_axes
-    from onona_jax.serve import convert
-    from onona_jax.train import optimizer
-
-    run = trainer.setup(cfg, jax.devices()[:1])
-    state = trainer.init_state(run, cfg.seed)
-    params = jax.tree.map(np.asarray, state["params"])  # a copy: the step donates the state
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    mask = optimizer.decay_mask(logical_axes(models.abstract(cfg.model)[1]))
-    if cfg.train.decay_vectors:
-        mask = jax.tree.map(lambda _: True, mask)
-    decays = convert.to_hf_state_dict(jax.tree.map(lambda p, d: np.full(p.shape, float(d), np.float32), params, mask),
-                                      cfg.model)
-    decays = {name: bool(v.all()) for name, v in decays.items()}
-    batch_shape = (cfg.train.global_batch, cfg.data.seq_len + 1)
-    abstract_batch = jax.ShapeDtypeStruct(batch_shape, jax.numpy.int32, sharding=run.batch_sharding)
-    compiled = trainer.make_train_step(run).lower(trainer.abstract_train_state(run), abstract_batch).compile()
-    box = {"state": state, "batch": None}
-
-    def step(tokens=None):
-        if tokens is not None:
-            box["batch"] = trainer.global_batch(run, np.asarray(tokens, np.int32))
-        t0 = time.perf_counter()
-        box["state"], metrics = compiled(box["state"], box["batch"])
-        jax.block_until_ready((box["state"], metrics))
-        dt = time.perf_counter() - t0
-        return float(metrics["loss"]), dt
-
-    return params, decays, n_params, step
+# ----------------------------------------------------------------------------- the learning rate
 
 
 def schedule_values(cfg, n: int) -> list[float]:
@@ -307,11 +194,11 @@ def _worker(conn, kind, head, job):
 
             torch.set_num_threads(job["threads"])
         if job["keep_freed_memory"]:
-            keep_freed_memory()
+            common.keep_freed_memory()
         t0 = time.perf_counter()
         if kind == "jax":
-            cfg = jax_config(job["spec"], job["overrides"], head)
-            params, decays, n_params, step = jax_side(cfg)
+            cfg = common.jax_config(job["spec"], job["overrides"], head)
+            params, decays, n_params, step = common.jax_side(cfg)
             with open(job["params_path"], "wb") as f:
                 pickle.dump({"params": params, "decays": decays}, f)
         else:
@@ -337,47 +224,6 @@ def _worker(conn, kind, head, job):
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
     finally:
         conn.close()
-
-
-class Worker:
-    """A spawned process `target(conn, *args)` that sends {"ok": True, ...} (or {"ok": False,
-    "error": ...}) once ready, then answers each "step" with one reply until "stop"; `_worker`
-    is one, and benchmarks/code_ab.py and gemm_floor.py run theirs through this class too."""
-
-    def __init__(self, ctx, name, target, args):
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def _recv(self):
-        try:
-            return self.conn.recv()
-        except EOFError:  # killed (out of memory?) or crashed outside Python
-            raise cli.Failure(f"the {self.name} worker died (exit code {self.proc.exitcode})") from None
-
-    def ready(self) -> dict:
-        info = self._recv()
-        if not info["ok"]:
-            raise cli.Failure(f"{self.name} failed to start: {info['error']}")
-        return info
-
-    def step(self):
-        self.conn.send("step")
-        reply = self._recv()
-        if isinstance(reply, dict) and not reply.get("ok", True):
-            raise cli.Failure(f"{self.name} failed: {reply['error']}")
-        return reply
-
-    def stop(self):
-        try:
-            self.conn.send("stop")
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.terminate()
 
 
 # ----------------------------------------------------------------------------- the run
@@ -408,25 +254,12 @@ def check_start(infos: dict, heads) -> dict:
     return out
 
 
-def paired_rounds(workers: list, rounds: int, log, seconds=lambda name, reply: reply) -> dict:
-    """{worker name: its "step" replies}, one step of each worker a round, the order rotating
-    so no worker always runs right after the same one; `seconds(name, reply)` is the time
-    logged for a reply (the reply itself where it is one)."""
-    times = {w.name: [] for w in workers}
-    for r in range(rounds):
-        k = r % len(workers)
-        for w in workers[k:] + workers[:k]:
-            times[w.name].append(w.step())
-        log(f"  round {r}: " + ", ".join(f"{n} {seconds(n, t[-1]):.3f}" for n, t in times.items()))
-    return times
-
-
 def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags="", keep_memory=False) -> dict:
     import numpy as np
 
     from onona_jax import summary
 
-    cfgs = {h: jax_config(spec, overrides, h) for h in heads}
+    cfgs = {h: common.jax_config(spec, overrides, h) for h in heads}
     cfg0 = cfgs[heads[0]]
     B, T = cfg0.train.global_batch, cfg0.data.seq_len
     tokens = np.random.default_rng(cfg0.seed).integers(0, 50257, (B, T + 1), dtype=np.int32)
@@ -443,7 +276,7 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags
                    "model": cfg.model.to_dict(), "train": cfg.train.to_dict(), "lrs": lrs, "adamw": adamw,
                    "xla_flags": xla_flags, "keep_freed_memory": keep_memory}
             for kind in ("jax",) + tuple(k for k in kinds if k != "jax"):  # jax writes the weights first
-                w = Worker(ctx, variant(kind, head), _worker, (kind, head, job))
+                w = common.Worker(ctx, variant(kind, head), _worker, (kind, head, job))
                 workers.append(w)
                 infos[w.name] = w.ready()
                 log(f"  {w.name}: built in {infos[w.name]['build_s']:.1f} s, first two steps "
@@ -451,7 +284,7 @@ def measure(spec, overrides, heads, kinds, rounds, warmup, adamw, log, xla_flags
                     f"then {infos[w.name]['loss2']:.7f}, {infos[w.name]['n_params']:,} parameters")
         start = check_start(infos, heads)
         timed = [w for w in workers if "jax" in kinds or not w.name.startswith("jax/")]  # jax always writes the weights
-        times = paired_rounds(timed, rounds, log)
+        times = common.paired_rounds(timed, rounds, log)
     finally:
         for w in workers:
             w.stop()
@@ -526,12 +359,10 @@ def define(fv, argv):
     flags.DEFINE_bool("keep_freed_memory", False, "every worker keeps the memory it frees (`keep_freed_memory`: "
                       "no page faults for a step's temporaries; the figures in the docs say which)", flag_values=fv)
     flags.DEFINE_string("output", "", "also write the figures as JSON here", flag_values=fv)
-    return config_lib.define_flag(fv, argv, f"{CONFIGS}:dense-small-twin")
+    return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
 
 
 def _main(fv, rest, argv):
-    from onona_jax import config as config_lib
-
     if rest:
         raise cli.UsageError(f"unexpected arguments {rest}")
     heads, kinds = list(dict.fromkeys(fv.heads)), list(dict.fromkeys(fv.kinds))
@@ -543,13 +374,12 @@ def _main(fv, rest, argv):
         raise cli.UsageError("--rounds must be ≥ 1 and --warmup ≥ 0")
     if fv.config.model.arch != "dense":
         raise cli.UsageError(f"model.arch={fv.config.model.arch!r}: the PyTorch peer is the dense Qwen3 body")
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), f"{CONFIGS}:dense-small-twin")
-    overrides = config_lib.overridden(fv.config, argv)
+    spec, overrides = common.config_args(fv, argv, DEFAULT_CONFIG)
     for h in heads:
-        jax_config(spec, overrides, h)  # bad overrides fail here, before any process starts
+        common.jax_config(spec, overrides, h)  # bad overrides fail here, before any process starts
     cli.check_output_file(fv.output, "peer.json")  # found now, not after minutes of compiling
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = common.log
     load_before = os.getloadavg()
     res = measure(spec, overrides, heads, kinds, fv.rounds, fv.warmup, fv.adamw, log, fv.xla_flags, fv.keep_freed_memory)
     import jax

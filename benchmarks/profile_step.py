@@ -1,11 +1,12 @@
 """Where a train step's time goes on this machine: per-XLA-op times from `jax.profiler`.
 
-    flock /tmp/onona-heavy.lock python benchmarks/profile_step.py --head=standard \
-        --set=model.d_model=512,model.n_layers=8,model.n_heads=8,model.n_kv_heads=4,model.head_dim=64,model.d_ff=1408,train.global_batch=4,data.seq_len=256
+    flock /tmp/onona-heavy.lock python benchmarks/profile_step.py --config=configs/paper.py:dense-small-standard \
+        --config.model.d_model=512 --config.model.n_layers=8 --config.model.n_heads=8 --config.model.n_kv_heads=4 \
+        --config.model.head_dim=64 --config.model.d_ff=1408 --config.train.global_batch=4 --config.data.seq_len=256
 
-Compiles the step as `benchmarks/peer.py` does (one device, the whole batch a step), runs
-`--untraced` steps (their median time, minor page faults a step and the process's peak RSS,
-with or without `peer.keep_freed_memory`), traces `--steps` steps and prints the `--top` ops
+Compiles the step as `benchmarks/peer.py` does (`common.jax_side`: one device, the whole batch a
+step), runs `--untraced` steps (their median time, minor page faults a step and the process's
+peak RSS, with or without `common.keep_freed_memory`), traces `--steps` steps and prints the `--top` ops
 by time per step, each with its output shape and the JAX operation it came from (from the
 optimized HLO, dumped to a temporary directory).
 """
@@ -22,34 +23,44 @@ import statistics
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
-DUMP = tempfile.mkdtemp(prefix="onona-hlo-")
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP} --xla_dump_hlo_pass_re=NONE"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peer  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax is imported)
+import common  # benchmarks/common.py, beside this script
+from onona_jax import cli
 
-flags.DEFINE_string("config", f"{peer.CONFIGS}:dense-small-standard", "config spec")
-flags.DEFINE_string("head", "standard", "model.head")
-flags.DEFINE_list("set", [], "key=value overrides")
-flags.DEFINE_integer("steps", 3, "traced steps")
-flags.DEFINE_integer("top", 40, "ops to print")
-flags.DEFINE_integer("untraced", 20, "untraced steps first (their times, page faults and the peak RSS)")
-flags.DEFINE_bool("keep_freed_memory", False, "peer.keep_freed_memory() first (default: as train.py runs)")
-FLAGS = flags.FLAGS
+DEFAULT_CONFIG = f"{common.CONFIGS}:dense-small-standard"
 
 
-def main(argv):
-    del argv
+def define(fv, argv):
+    from onona_jax import config as config_lib
+
+    common.refuse_set(argv)
+    flags.DEFINE_integer("steps", 3, "traced steps", flag_values=fv)
+    flags.DEFINE_integer("top", 40, "ops to print", flag_values=fv)
+    flags.DEFINE_integer("untraced", 20, "untraced steps first (their times, page faults and the peak RSS)",
+                         flag_values=fv)
+    flags.DEFINE_bool("keep_freed_memory", False, "common.keep_freed_memory() first (default: as train.py runs)",
+                      flag_values=fv)
+    return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
+
+
+def _main(FLAGS, rest, argv):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    if FLAGS.steps < 1 or FLAGS.untraced < 1 or FLAGS.top < 1:
+        raise cli.UsageError("--steps, --untraced and --top must be ≥ 1")
+    cfg = common.jax_config(*common.config_args(FLAGS, argv, DEFAULT_CONFIG))  # bad overrides: before XLA starts
+    # The optimized HLO names each op's shape and source: dumped here, set before jax is imported.
+    dump = tempfile.mkdtemp(prefix="onona-hlo-")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_pass_re=NONE"
     import resource
 
     import jax
     import numpy as np
 
     if FLAGS.keep_freed_memory:
-        peer.keep_freed_memory()
-    cfg = peer.jax_config(FLAGS.config, peer.overrides(FLAGS.set), FLAGS.head)
-    step = peer.jax_side(cfg)[3]
+        common.keep_freed_memory()
+    step = common.jax_side(cfg)[3]
     step(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1)))
     times, faults = [], []
     for _ in range(FLAGS.untraced):
@@ -70,7 +81,7 @@ def main(argv):
         if e.get("ph") == "X" and "dur" in e:
             total[e["name"]] += e["dur"] / 1e3 / FLAGS.steps
             count[e["name"]] += 1
-    hlo = "".join(open(f).read() for f in glob.glob(f"{DUMP}/*jit_train_step.cpu_after_optimizations.txt"))
+    hlo = "".join(open(f).read() for f in glob.glob(f"{dump}/*jit_train_step.cpu_after_optimizations.txt"))
     print(f"{'ms/step':>8} {'calls':>5}  op  shape  source")
     shown = 0
     for name, ms in total.most_common():
@@ -83,5 +94,11 @@ def main(argv):
             break
 
 
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+
+
 if __name__ == "__main__":
-    app.run(peer.errors_as_exit(main))
+    common.cpu_only()  # the step as peer.py times it: on the CPU
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for TPU slices (onona_jax/aot.py): the slice table, TPU buffer
+"""Ahead-of-time compilation for TPU slices (onona_jax/aot/): the slice table, TPU buffer
 assignment against the shardings, the collective-bytes reader, and the does-not-fit path.
 
 Needs libtpu (`pip install -e '.[tpu-aot]'`; the README's test command installs it). The 142M
@@ -6,15 +6,20 @@ compiles are `slow` (about 2 minutes of CPU each):  python -m pytest -q -m slow 
 """
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from onona_jax import aot
+from onona_jax.aot.fit import modelled_time, recomputed_flops_per_token
+from onona_jax.aot.hlo import collective_bytes, hbm_bytes
+from onona_jax.aot.steps import compile_train, expected_argument_bytes, parse_resource_exhausted
+from onona_jax.aot.topology import (SLICES, GiB, compiler_missing, cudnn_missing, get_slice, gpu_target,
+                                    libtpu_missing, topology_devices)
 
-needs_libtpu = pytest.mark.skipif(aot.libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
+needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,20 +35,20 @@ def test_slice_names_map_to_topologies_with_their_chip_and_device_counts():
         "v6e-1": ("v6e:1x1", 1), "v6e-8": ("v6e:2x4", 8), "v6e-256": ("v6e:16x16", 256),
     }
     for name, (topology, chips) in expected.items():
-        s = aot.get_slice(name)
+        s = get_slice(name)
         assert (s.topology, s.chips) == (topology, chips), name
-    tpu = {n: s for n, s in aot.SLICES.items() if s.platform == "tpu"}
+    tpu = {n: s for n, s in SLICES.items() if s.platform == "tpu"}
     assert len(tpu) == 10 + 8 + 8 + 8  # v4-8..4096, v5p-8..1024, v5e/v6e-1..256
-    assert (aot.get_slice("h100-16").topology, aot.get_slice("h200-8").chips) == ("1x2x8", 8)
+    assert (get_slice("h100-16").topology, get_slice("h200-8").chips) == ("1x2x8", 8)
     kinds = {"v4": "TPU v4", "v5p": "TPU v5", "v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
     for name, s in tpu.items():
-        devices = aot.topology_devices(s)
+        devices = topology_devices(s)
         assert len(devices) == s.devices, name
         assert len({tuple(d.coords) for d in devices}) == s.chips, name  # one coordinate per chip
         assert {d.device_kind for d in devices} == {kinds[s.generation]}, name
-    assert aot.get_slice("v5e:4x4") is aot.SLICES["v5e-16"]
+    assert get_slice("v5e:4x4") is SLICES["v5e-16"]
     with pytest.raises(ValueError, match="unknown --topology='v5e-17'"):
-        aot.get_slice("v5e-17")
+        get_slice("v5e-17")
 
 
 @needs_libtpu
@@ -58,15 +63,15 @@ def test_tiny_compile_on_v5e_4_argument_bytes_match_the_shardings():
     cfg.model.update(d_model=128, n_heads=1, n_kv_heads=1, head_dim=128, d_ff=256)
     cfg.mesh.update(data=1, fsdp=4, tensor=1)
     cfg.train.micro_batch = 1  # 8 rows over 4 replicas: 2 micro-batches accumulated
-    s = aot.get_slice("v5e-4")
-    devices = aot.topology_devices(s)
-    expected = aot.expected_argument_bytes(trainer.setup(cfg, devices=devices))
+    s = get_slice("v5e-4")
+    devices = topology_devices(s)
+    expected = expected_argument_bytes(trainer.setup(cfg, devices=devices))
     # fsdp=4 splits every table and matrix 4 ways: 2 tables of 50,304 × 128 fp32 per device
     assert expected["params"] > 2 * 50304 * 128 * 4 // 4
     assert expected["opt_state"] == pytest.approx(2 * expected["params"], rel=1e-4)  # AdamW mu, nu
-    report = aot.compile_train(cfg, s, devices)
+    report = compile_train(cfg, s, devices)
     assert report["arguments"] == pytest.approx(sum(expected.values()), rel=0.01)
-    assert report["fits"] and report["hbm"] == 16 * aot.GiB
+    assert report["fits"] and report["hbm"] == 16 * GiB
     assert report["total"] >= report["arguments"] + report["temporaries"]
     # fsdp gathers the 3/4 of each table a device lacks in every micro-batch (the loops' trips)
     assert report["accum"] == 2
@@ -91,22 +96,22 @@ def test_v5e_compile_runs_splash_and_keeps_no_score_matrix():
     score and probability matrices for the backward pass and calls no kernel."""
     cfg = _tiny_kernel_config()
     cfg.mesh.update(data=1, fsdp=4, tensor=1)
-    s = aot.get_slice("v5e-4")
-    devices = aot.topology_devices(s)
-    splash = aot.compile_train(cfg, s, devices)
+    s = get_slice("v5e-4")
+    devices = topology_devices(s)
+    splash = compile_train(cfg, s, devices)
     assert splash["attention_kernels"] == ["mosaic:splash_mha_dkv_no_residuals", "mosaic:splash_mha_dq_no_residuals",
                                            "mosaic:splash_mha_fwd_residuals"]
     assert splash["score_matrices"] == []
     cfg.model.attention_impl = "xla"
-    xla = aot.compile_train(cfg, s, devices)
+    xla = compile_train(cfg, s, devices)
     assert xla["attention_kernels"] == [] and any(m.startswith("f32[") and m.endswith(",384,384]")
                                                   for m in xla["score_matrices"])
     assert splash["temporaries"] < xla["temporaries"]
 
 
 def _gpu_aot_missing():
-    h100 = aot.get_slice("h100-8")
-    return aot.compiler_missing(h100) or aot.cudnn_missing(_tiny_kernel_config(dtype="bfloat16"), h100)
+    h100 = get_slice("h100-8")
+    return compiler_missing(h100) or cudnn_missing(_tiny_kernel_config(dtype="bfloat16"), h100)
 
 
 @pytest.mark.skipif(_gpu_aot_missing() is not None, reason=str(_gpu_aot_missing()))
@@ -115,8 +120,22 @@ def test_h100_compile_runs_cudnn_flash_attention():
     PJRT CUDA plugin (with the cuDNN wheel): its forward and backward calls are in the HLO."""
     cfg = _tiny_kernel_config(dtype="bfloat16")
     cfg.mesh.update(data=-1, fsdp=1, tensor=1)
-    report = aot.compile_train(cfg, aot.get_slice("h100-8"))
+    report = compile_train(cfg, get_slice("h100-8"))
     assert report["attention_kernels"] == ["cudnn:__cudnn$fmhaSoftmax", "cudnn:__cudnn$fmhaSoftmaxBackward"]
+
+
+def test_gpu_compile_target_and_slice_hbm_read_the_one_chip_table():
+    """`chips.CHIPS` is the one table of hardware peaks: a slice's HBM and the GPU compile
+    target's memory and bandwidth (what CUDA reports for an H100) are its rows."""
+    from onona_jax import chips
+
+    target = gpu_target("h100")
+    assert "device_memory_size: 84929347584\n" in target and "memory_bandwidth: 3352320000000\n" in target
+    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in target
+    assert get_slice("h100-8").hbm_per_device == chips.CHIPS["h100"].hbm_bytes == 84_929_347_584
+    assert get_slice("h200-8").hbm_per_device == 150_754_820_096
+    assert get_slice("v5e-16").hbm_per_device == 16 * GiB
+    assert get_slice("v4-8").hbm_per_device == 16 * GiB  # a v4 chip is two devices in libtpu's description
 
 
 def test_modelled_step_time_and_recompute_by_policy():
@@ -127,11 +146,11 @@ def test_modelled_step_time_and_recompute_by_policy():
     from onona_jax import chips, config
 
     cfg = config.load(os.path.join(REPO, "configs/paper.py:dense-142m-twin"))
-    s = aot.get_slice("v5e-16")
+    s = get_slice("v5e-16")
     report = {"model_flops": 19.7e12, "hbm_bytes": 60e9,
               "collective_bytes": {"all-gather": 1.5e9, "reduce-scatter": 0.5e9}}
     chip = chips.CHIPS["v5e"]
-    m = aot.modelled_time(report, cfg, s)  # remat none: nothing recomputed
+    m = modelled_time(report, cfg, s)  # remat none: nothing recomputed
     assert m["recomputed_flops"] == 0
     assert m["compute_s"] == pytest.approx(19.7e12 / (chip.peak_tflops * 1e12))
     assert m["memory_s"] == pytest.approx(60e9 / (chip.hbm_gbps * 1e9))
@@ -141,7 +160,7 @@ def test_modelled_step_time_and_recompute_by_policy():
     recompute = []
     for remat in ("none", "dots", "attention", "full"):
         cfg.model.remat = remat
-        recompute.append(aot.recomputed_flops_per_token(cfg))
+        recompute.append(recomputed_flops_per_token(cfg))
     assert recompute == sorted(recompute) and recompute[0] == 0 < recompute[1]
 
 
@@ -182,7 +201,7 @@ ENTRY %main (a: f32[8,128]) -> f32[8,128] {
 }
 """
     loop_condition = 2 * 1  # its pred[] result (the model counts a condition once)
-    assert aot.hbm_bytes(hlo) == 2 * 16 * (8 * 128 * 4 + 1 * 128 * 4) + loop_condition
+    assert hbm_bytes(hlo) == 2 * 16 * (8 * 128 * 4 + 1 * 128 * 4) + loop_condition
 
 
 SYNTHETIC_HLO = """HloModule m
@@ -247,7 +266,7 @@ ENTRY %main (a: f32[8,128]) -> f32[8,128] {
 
 
 def test_collective_bytes_reads_loops_async_pairs_and_reduce_scatter():
-    out = aot.collective_bytes(SYNTHETIC_HLO, n_devices=8)
+    out = collective_bytes(SYNTHETIC_HLO, n_devices=8)
     assert out == {
         # once per channel (start, done and a continuation carried through the inner loop
         # repeat it), as often as it is issued: 16 trips, not 16 × 16
@@ -293,7 +312,7 @@ def test_collective_bytes_tells_apart_shard_map_ops_that_share_a_channel_id():
     """XLA:TPU may give every collective of a shard_map channel_id=1 (an expert-parallel MoE's
     dispatch and combine all-to-alls, the fused loss's psum): each distinct op counts, by its
     source; keyed by channel id alone, all but one vanished from the report."""
-    out = aot.collective_bytes(SHARD_MAP_HLO, n_devices=8)
+    out = collective_bytes(SHARD_MAP_HLO, n_devices=8)
     assert out["all-to-all"] == 4 * 2 * 8 * 640 * 4  # 4 layers × (dispatch + combine)
     assert out["all-reduce"] == 8 * 640 * 4
 
@@ -341,7 +360,7 @@ ENTRY %main (a: f32[8,128]) -> f32[32,128] {
 
 def test_collective_bytes_split_within_and_across_slices():
     links: dict = {}
-    out = aot.collective_bytes(TWO_SLICE_HLO, n_devices=4, by_link=links, slices=2)
+    out = collective_bytes(TWO_SLICE_HLO, n_devices=4, by_link=links, slices=2)
     within, cross = links["within_slice"], links["cross_slice"]
     assert within["all-gather"] == 32 * 128 * 4 and within["all-reduce"] == 0
     # the send counts once per trip (its send-done and the matching recv do not count); a
@@ -351,7 +370,7 @@ def test_collective_bytes_split_within_and_across_slices():
     assert out["all-gather"] == within["all-gather"] + cross["all-gather"]
     assert out["all-reduce"] == cross["all-reduce"]
     # a one-slice program has no cross-slice traffic
-    aot.collective_bytes(SYNTHETIC_HLO, n_devices=8, by_link=links)
+    collective_bytes(SYNTHETIC_HLO, n_devices=8, by_link=links)
     assert set(links["cross_slice"].values()) == {0}
 
 
@@ -370,14 +389,14 @@ def test_two_slice_compile_keeps_parameter_gathers_within_a_slice():
     cfg = config.load(os.path.join(REPO, "configs/paper.py:dense-tiny-twin"))
     cfg.mesh.update(data=1, fsdp=-1, tensor=1, slices=2)
     cfg.train.micro_batch = 0
-    s = dataclasses.replace(aot.get_slice("v5e-4"), slices=2)
-    devices = aot.topology_devices(s)
+    s = dataclasses.replace(get_slice("v5e-4"), slices=2)
+    devices = topology_devices(s)
     assert len(devices) == s.devices == 8 and {d.slice_index for d in devices} == {0, 1}
     run = trainer.setup(cfg, devices=devices)
     assert dict(run.mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
     for row in run.mesh.devices:  # each data row (its fsdp group) lies in one slice
         assert len({d.slice_index for d in row.flat}) == 1
-    report = aot.compile_train(cfg, s, devices)
+    report = compile_train(cfg, s, devices)
     within, cross = (report["collective_bytes_by_link"][k] for k in ("within_slice", "cross_slice"))
     assert cross["all-gather"] == 0  # the target: no parameter gather over DCN
     assert within["all-gather"] > 0  # FSDP does gather them, within the slice
@@ -392,9 +411,9 @@ def test_two_slice_compile_keeps_parameter_gathers_within_a_slice():
 def test_resource_exhausted_message_gives_needed_and_available():
     msg = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
            "HLO temporaries (33.57G) exceeds available HBM (15.75G)")
-    assert aot.parse_resource_exhausted(msg) == (int(33.57 * aot.GiB), int(15.75 * aot.GiB))
-    assert aot.parse_resource_exhausted("Used 40.10G of 15.75G hbm. Exceeded hbm capacity by 24.35G.") == (
-        int(40.10 * aot.GiB), int(15.75 * aot.GiB))
+    assert parse_resource_exhausted(msg) == (int(33.57 * GiB), int(15.75 * GiB))
+    assert parse_resource_exhausted("Used 40.10G of 15.75G hbm. Exceeded hbm capacity by 24.35G.") == (
+        int(40.10 * GiB), int(15.75 * GiB))
 
 
 def _cli(*args):
@@ -424,10 +443,10 @@ def test_config_that_does_not_fit_exits_1_with_needed_available_and_overrides():
 
 
 def test_without_libtpu_the_message_says_how_to_get_it(monkeypatch):
-    monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
-    assert aot.compiler_missing(aot.get_slice("v5e-16")) == aot.libtpu_missing()
-    assert "pip install -e '.[tpu-aot]' (or pip install 'libtpu==0.0.42.*'" in aot.libtpu_missing()
-    assert "pip install -e '.[gpu-aot]'" in aot.compiler_missing(aot.get_slice("h100-8"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert compiler_missing(get_slice("v5e-16")) == libtpu_missing()
+    assert "pip install -e '.[tpu-aot]' (or pip install 'libtpu==0.0.42.*'" in libtpu_missing()
+    assert "pip install -e '.[gpu-aot]'" in compiler_missing(get_slice("h100-8"))
 
 
 def test_unknown_slice_is_one_error_line_before_any_compile():
@@ -462,11 +481,11 @@ def test_paper_142m_twin_fits_v5e_16_with_micro_batch_4():
     cfg = config.load("configs/paper.py:dense-142m-twin")
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.train.micro_batch = 4
-    s = aot.get_slice("v5e-16")
+    s = get_slice("v5e-16")
     with pytest.raises(ValueError, match="splash attention on TPU with model.dtype=bfloat16 cannot run under "
                                          "jax_default_matmul_precision='highest'"):
-        aot.compile_train(cfg, s)  # the suite's conftest asks for "highest"
+        compile_train(cfg, s)  # the suite's conftest asks for "highest"
     with jax.default_matmul_precision("default"):
-        report = aot.compile_train(cfg, s)
+        report = compile_train(cfg, s)
     assert report["fits"] and report["accum"] == 4
-    assert report["total"] < 15.75 * aot.GiB
+    assert report["total"] < 15.75 * GiB

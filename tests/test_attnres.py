@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import REPO
-from onona_jax import aot, config, summary
+from onona_jax import config, summary
+from onona_jax.aot.hlo import materialised_arrays
 from onona_jax.serve import convert
 from onona_jax import models as model
 from onona_jax.models.attnres import AttnResTrunk, _mix_list, attnres_mix, n_sources
@@ -342,7 +343,7 @@ def test_scanned_backward_keeps_no_buffer_per_layer():
     hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
     S = n_sources(2 * 8, 1)
     per_layer = f"[8,{S},4,{T},{m.d_model}]"
-    shapes = {shape for shape, _ in aot.materialised_arrays(hlo)}
+    shapes = {shape for shape, _ in materialised_arrays(hlo)}
     assert any(f"[{S},4,{T},{m.d_model}]" in s for s in shapes)  # the buffer itself, once
     assert not [s for s in shapes if s.endswith(per_layer)]
 

@@ -2,15 +2,18 @@
 (libtpu's compile-only devices, no TPU needed), and multi-slice meshes (mesh.slices) whose
 data axis alone spans the slices."""
 
+import dataclasses
+
 import pytest
 
-from onona_jax import aot, sharding
+from onona_jax import sharding
+from onona_jax.aot.topology import get_slice, libtpu_missing, topology_devices
 
-needs_libtpu = pytest.mark.skipif(aot.libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
+needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
 
 
 def _tpu(topology, slices=1):
-    return aot.topology_devices(aot.dataclasses.replace(aot.get_slice(topology), slices=slices))
+    return topology_devices(dataclasses.replace(get_slice(topology), slices=slices))
 
 
 def test_cpu_mesh_keeps_device_order_and_rejects_slices():

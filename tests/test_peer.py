@@ -1,9 +1,9 @@
-"""benchmarks/peer.py's starting point: onona-jax's train step and the paper's PyTorch code path
-(HF Qwen3 + the tied softmax or Figure 2's TwinTables, torch AdamW) from the same weights and
-batch give the same losses; its workers' allocator setting works; benchmarks/gemm_floor.py
-lists exactly the step's matrix multiplies. The timing itself is the benchmarks', not a test's."""
+"""benchmarks/peer.py's starting point: onona-jax's train step (benchmarks/common.py) and the
+paper's PyTorch code path (HF Qwen3 + the tied softmax or Figure 2's TwinTables, torch AdamW) from
+the same weights and batch give the same losses; the workers' allocator setting works;
+benchmarks/gemm_floor.py lists exactly the step's matrix multiplies; the benchmarks' command
+line is the package's. The timing itself is the benchmarks', not a test's."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,9 +15,10 @@ import pytest
 
 from conftest import REPO
 
-spec = importlib.util.spec_from_file_location("onona_peer", os.path.join(REPO, "benchmarks", "peer.py"))
-peer = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peer)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the scripts import common.py from beside them
+import common  # noqa: E402
+import gemm_floor  # noqa: E402
+import peer  # noqa: E402
 
 STEPS = 3
 
@@ -29,9 +30,9 @@ def test_first_steps_match_pytorch_peer(head):
     # at the peak lr, so the second and third losses check the AdamW mapping (lr, weight decay
     # on exactly our decayed parameters, clip, betas) and not only the forward pass.
     overrides = {"train.warmup_steps": 1, "train.global_batch": 4}
-    cfg = peer.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin", overrides, head)
+    cfg = common.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin", overrides, head)
     tokens = np.random.default_rng(0).integers(0, 50257, (4, cfg.data.seq_len + 1), dtype=np.int32)
-    params, decays, n_params, jax_step = peer.jax_side(cfg)
+    params, decays, n_params, jax_step = common.jax_side(cfg)
     ours = [jax_step(tokens if i == 0 else None)[0] for i in range(STEPS)]
 
     lrs = peer.schedule_values(cfg, STEPS)
@@ -58,12 +59,7 @@ def test_unknown_config_key_is_refused():
     from onona_jax import cli
 
     with pytest.raises(cli.UsageError, match="unknown config keys model.d_modle"):
-        peer.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin", {"model.d_modle": 64}, "twin")
-
-
-gspec = importlib.util.spec_from_file_location("onona_gemm_floor", os.path.join(REPO, "benchmarks", "gemm_floor.py"))
-gemm_floor = importlib.util.module_from_spec(gspec)
-gspec.loader.exec_module(gemm_floor)
+        common.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin", {"model.d_modle": 64}, "twin")
 
 
 @pytest.mark.parametrize("head", ["standard", "twin"])
@@ -73,7 +69,7 @@ def test_gemm_floor_lists_every_matmul_of_the_step(head):
     # two layouts compute the same products as PyTorch's Linear autograd.
     from onona_jax import summary
 
-    cfg = peer.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin",
+    cfg = common.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin",
                           {"model.loss_token_tile": 48, "train.global_batch": 3}, head)
     m, n = cfg.model, cfg.train.global_batch * cfg.data.seq_len
     f = summary.flops_per_token(m, cfg.data.seq_len)
@@ -97,9 +93,9 @@ def test_gemm_floor_lists_every_matmul_of_the_step(head):
 PROBE = r"""
 import ctypes, json, resource, sys
 sys.path.insert(0, sys.argv[2])
-import peer
+import common
 if sys.argv[1] == "keep":
-    assert peer.keep_freed_memory()
+    assert common.keep_freed_memory()
 import jax, jax.numpy as jnp
 libc = ctypes.CDLL("libc.so.6")
 libc.sbrk.restype = ctypes.c_void_p
@@ -126,8 +122,8 @@ def _runs(mode):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_kept_memory_stops_per_run_page_faults():
-    # peer.keep_freed_memory, which every peer worker calls: XLA:CPU's per-run temporaries
-    # stop being mapped afresh (and faulted in page by page) at every run. With it a run
+    # common.keep_freed_memory, which peer.py's workers call with --keep_freed_memory: XLA:CPU's
+    # per-run temporaries stop being mapped afresh (and faulted in page by page) at every run. With it a run
     # faults in only the pages its heap newly grows by: the heap grows in steps of the
     # run's temporaries (128 MiB here) until its free holes fit every run's layout, at a random run
     # (XLA's threads decide the order of allocations), and then stays. That growth is the
