@@ -116,24 +116,32 @@ def test_parameter_counts_and_flops_come_from_the_declaration(tiny_data):
     assert f["forward"] == 196_608 + 12_877_952 + 8_192 + 256 == f["train"] / 3
 
 
+def _initial_mix(cfg, layer: int):
+    """Layer `layer`'s gate as `params.init_value` derives it: the family's initialiser of the
+    key fold_in(fold_in(seed key, crc32(path)), layer index)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), zlib.crc32(b"trunk/layers/mix")), layer)
+    return MIX_STD * jax.random.normal(key, (cfg.model.d_model,), jnp.float32)
+
+
 def test_the_family_initialiser_is_used(tiny_data):
+    """`params.init_value` (what `models.init` jits over the tree) of each layer's gate."""
     cfg = config.validate(_cfg(tiny_data))
-    _, params = models.init(cfg.model, cfg.seed)
-    for i in range(cfg.model.n_layers):  # key: fold_in(seed key, crc32(path)), then the layer index
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), zlib.crc32(b"trunk/layers/mix")), i)
-        # (to fp32 rounding: the jitted init fuses the scaling differently; `normal` has std 0.02)
-        np.testing.assert_allclose(params["trunk"]["layers"][i]["mix"],
-                                   MIX_STD * jax.random.normal(key, (64,), jnp.float32), rtol=1e-6, atol=0)
+    _, state = models.abstract(cfg.model)
+    mixes = [(path, var) for path, var in params_lib.flat_variables(state) if path[-1] == "mix"]
+    assert [path for path, _ in mixes] == [("trunk", "layers", i, "mix") for i in range(cfg.model.n_layers)]
+    for (path, var), i in zip(mixes, range(cfg.model.n_layers)):
+        value = params_lib.init_value(jax.random.key(cfg.seed), path, var)
+        np.testing.assert_array_equal(value, _initial_mix(cfg, i))
+        assert float(np.std(value)) > 0.05  # not `normal`'s std 0.02
 
 
 def test_the_family_trains(tiny_data):
     cfg = config.validate(_cfg(tiny_data))
-    initial = jax.device_get(trainer.init_state(trainer.setup(cfg, jax.devices()[:1]), cfg.seed))
-    losses, state, _ = run_steps(cfg, 3, jax.devices()[:1], init=initial)
+    losses, state, _ = run_steps(cfg, 3, jax.devices()[:1])
     assert losses[0] == pytest.approx(np.log(50304), abs=0.5)
     assert np.all(np.isfinite(losses)) and losses[2] < losses[0], losses
-    mix = lambda s: np.asarray(s["params"]["trunk"]["layers"][0]["mix"])  # noqa: E731
-    assert np.abs(mix(jax.device_get(state)) - mix(initial)).max() > 1e-4  # the gate learns
+    mix = np.asarray(jax.device_get(state["params"]["trunk"]["layers"][0]["mix"]))
+    assert np.abs(mix - _initial_mix(cfg, 0)).max() > 1e-4  # the gate learns
 
 
 @pytest.mark.parametrize("arch,problem", [
