@@ -21,7 +21,8 @@ from onona_jax import loss as loss_lib
 from onona_jax import models
 from onona_jax.models import gdn
 
-# The choices of model.arch and model.head come from the registries (one place each).
+# The choices of model.arch and model.head come from the registries (one place each); ARCHS
+# are the package's own families (`validate` reads the registry itself: `models.register`).
 ARCHS = tuple(models.FAMILIES)
 HEADS = tuple(heads_lib.HEADS)
 
@@ -154,7 +155,8 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
 
     Every number of the config must be finite (whatever its key, so a key added later is
     covered too), and every value a run reads lies in its range: the model (the MoE and GDN
-    keys when the model has MoE or GDN layers: their families' `config_problems`), the
+    keys when the model has MoE or GDN layers: their families' `config_problems`; every
+    parameter of the abstract model in exactly one of its family's summary rows), the
     optimizer and its schedule, the data, the evaluation and the mesh. `training=False`: a
     saved run's config for a reader (evaluation, serving, export), which reads no train.*
     key, so a run trained under older, looser rules stays readable."""
@@ -171,7 +173,7 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
             need(not isinstance(value, float) or math.isfinite(value),
                  f"{key}={value} is not a finite number; give a finite value (its default is {defaults.get(key)})")
 
-    need(m.arch in ARCHS, f"unknown model.arch {m.arch!r}; choose one of {ARCHS}")
+    need(m.arch in models.FAMILIES, f"unknown model.arch {m.arch!r}; choose one of {tuple(models.FAMILIES)}")
     need(m.head in HEADS, f"unknown model.head {m.head!r}; choose one of {HEADS}")
     for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size"):
         need(int(m[key]) > 0, f"model.{key} must be positive, got {m[key]}")
@@ -212,6 +214,10 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     for problem in models.family(m).validate(m) + (gdn.config_problems(m) if "gdn" in pattern else []):
         need(False, problem)
     need(m.vocab_size >= 50257, f"model.vocab_size={m.vocab_size} is below GPT-2's 50,257 tokens")
+    # The summary (the training loop's FLOPs, the budget) counts every parameter in the row
+    # its family declares: a path it cannot place fails here, not after the run's first write.
+    for problem in models.accounting_problems(m):
+        need(False, problem)
     if training:
         _validate_training(cfg, need, defaults)
     need(cfg.data.seq_len > 0, f"data.seq_len={cfg.data.seq_len} must be positive (tokens per window)")

@@ -54,20 +54,40 @@ def param(
     return nnx.Param(jnp.zeros(shape, jnp.float32), axes=tuple(axes), init=init, init_name=init_name, **meta)
 
 
-def _dt_bias(key, shape):
-    # softplus⁻¹(dt) with dt log-uniform in [1e-3, 0.1] (Mamba-2 / Gated DeltaNet init).
-    dt = jnp.exp(jax.random.uniform(key, shape) * (np.log(0.1) - np.log(1e-3)) + np.log(1e-3))
-    dt = jnp.maximum(dt, 1e-4)
-    return dt + jnp.log(-jnp.expm1(-dt))
-
-
+# The initialisers every module may name. A family adds its own through its `Family` record
+# (`models.register` calls `register_initializers`): GDN's `a_log` and `dt_bias` live in
+# `models/gdn.py`. The name only picks the function; the key comes from the path (`init_value`).
 INITIALIZERS: dict[str, Callable[[jax.Array, tuple[int, ...]], jax.Array]] = {
     "normal": lambda key, shape: INIT_STD * jax.random.normal(key, shape, jnp.float32),
     "ones": lambda key, shape: jnp.ones(shape, jnp.float32),
     "zeros": lambda key, shape: jnp.zeros(shape, jnp.float32),
-    "a_log": lambda key, shape: jnp.log(jax.random.uniform(key, shape, minval=1e-4, maxval=16.0)),
-    "dt_bias": _dt_bias,
 }
+
+
+def register_initializers(initializers: dict[str, Callable]) -> None:
+    """Make `initializers` (name -> fn(key, shape)) available to `param(..., init=name)`. A name
+    already taken by another function is an error: two families must not disagree on it."""
+    for name, fn in initializers.items():
+        if INITIALIZERS.get(name, fn) is not fn:
+            raise ValueError(f"initialiser name {name!r} is taken by another function; give the new "
+                             "initialiser a name of its own")
+    INITIALIZERS.update(initializers)
+
+
+class ParamGroup(NamedTuple):
+    """How parameters count in the summary (`summary.param_counts`, `flops_per_token`): those
+    whose path (`path_str`: layer indices dropped, e.g. 'trunk/layers/attn/q') matches one of
+    the shell-style globs `paths` (`fnmatch`: `*` crosses '/') are rows of `component`;
+    `matmul`: each weight is multiplied once per token that uses it (2 FLOPs per weight), not a
+    norm weight, a decay or a query that the family counts in its extra FLOPs; `used`: None
+    (every token uses them) or cfg_model -> Fraction of tokens that do (MoE experts: top_k/E),
+    which scales their FLOPs and the active parameter count. A family declares a tuple of
+    these (`models.Family.components`); every trunk parameter must match exactly one."""
+
+    component: str
+    paths: tuple[str, ...]
+    matmul: bool = True
+    used: Callable | None = None
 
 
 def path_str(path: tuple[Any, ...]) -> str:

@@ -3,68 +3,52 @@
     python -m onona_jax.summary --config=configs/paper.py:dense-142m-twin [--json]
 
 Counts come from the abstractly evaluated parameter tree (no allocation), so they are what
-the model really has, not a formula that repeats the config.
+the model really has, not a formula that repeats the config. Nothing here knows a family:
+each parameter's row, whether it is a matmul weight and the share of tokens that use it come
+from the head's tables and the family's `components` (`models.accounting`), the FLOPs beyond
+the weights' and the attention scores from the family's `extra_flops`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 
-import numpy as np
 from absl import flags
 
 from onona_jax import cli
 from onona_jax import config as config_lib
 from onona_jax import heads as heads_lib
 from onona_jax import models as model_lib
-from onona_jax.models import attnres, gdn
-from onona_jax.params import flat_variables, path_str
 
-COMPONENTS = ("tables", "gate", "head", "attention", "gdn", "mlp", "moe", "attnres", "norms")
-# Every head's vocabulary tables, as the heads declare them.
-TABLES = tuple(sorted({t for name in heads_lib.HEADS for t in heads_lib.head_class(name).tables}))
+HEAD_ROWS = ("tables", "gate", "head")  # the head's rows (`models.accounting`), then the family's
 
 
-def component(path: str) -> str:
-    if path.startswith("head/"):
-        name = path.split("/")[-1]
-        return "tables" if name in TABLES else "gate" if name == "gate" else "head"
-    for part in ("attnres", "gdn", "moe"):  # before "norm": these own norm weights too
-        if f"{part}/" in path or path.startswith(part):
-            return part
-    if "norm" in path:
-        return "norms"
-    if "/attn/" in path:
-        return "attention"
-    if "/mlp/" in path:
-        return "mlp"
-    raise ValueError(f"parameter {path!r} belongs to no component; extend summary.component")
-
-
-def is_expert_weight(path: str) -> bool:
-    """An MoE expert matrix (gate/up/down [E, ...]); the router is not one."""
-    return "moe/" in path and path.rsplit("/", 1)[-1] in ("gate", "up", "down")
+def components(cfg_model) -> tuple[str, ...]:
+    """The rows of the parameter table: the head's, then the family's components in the order
+    its `Family.components` declares them."""
+    declared = dict.fromkeys(g.component for g in model_lib.family(cfg_model).components)
+    return HEAD_ROWS + tuple(c for c in declared if c not in HEAD_ROWS)
 
 
 def param_counts(cfg_model) -> dict[str, int]:
-    """Per component, `total`, `non_embedding` (total − tables) and `active`: the
-    non-embedding parameters one token uses, i.e. MoE expert weights count top_k/E of
-    theirs (router included in full); for dense models active = non_embedding."""
-    _, state = model_lib.abstract(cfg_model)
-    counts = dict.fromkeys(COMPONENTS, 0)
-    experts = 0
-    for path, var in flat_variables(state):
-        name, n = path_str(path), int(np.prod(var.shape))
-        counts[component(name)] += n
-        experts += n if is_expert_weight(name) else 0
-    counts["total"] = sum(counts[c] for c in COMPONENTS)
+    """Per component (`components`), `total`, `non_embedding` (total − tables), `experts`
+    (the parameters each token uses only a fraction of: MoE experts) and `active`: the
+    non-embedding parameters one token uses, i.e. MoE expert weights count top_k/E of theirs
+    (router included in full); for dense models active = non_embedding."""
+    rows = components(cfg_model)
+    counts = dict.fromkeys(rows, 0)
+    experts, inactive = 0, Fraction(0)
+    for p in model_lib.accounting(cfg_model):
+        counts[p.component] += p.size
+        if p.used != 1:
+            experts += p.size
+            inactive += p.size * (1 - p.used)
+    counts["total"] = sum(counts[c] for c in rows)
     counts["non_embedding"] = counts["total"] - counts["tables"]
     counts["experts"] = experts
-    inactive = 0
-    if experts:
-        E, k = cfg_model.moe.n_experts, cfg_model.moe.top_k
-        inactive = experts * (E - k) // E  # exact: the expert count is a multiple of E
-    counts["active"] = counts["non_embedding"] - inactive
+    counts["active"] = counts["non_embedding"] - math.floor(inactive)  # exact for MoE: E divides the count
     return counts
 
 
@@ -75,34 +59,19 @@ def output_projections(cfg_model) -> int:
     return heads_lib.head_class(cfg_model.head).output_projections(cfg_model)
 
 
-# Per-component parameters that are NOT matmul weights (2 FLOPs per weight per token):
-# norm weights, GDN's per-head decay parameters; AttnRes's pseudo-queries are counted per
-# source (see flops_per_token), tables and gate by the head term.
-NON_MATMUL = ("A_log", "dt_bias")
-
-
 def matmul_weights(cfg_model) -> dict[str, float]:
-    """Per component, the weights each token multiplies once in the forward pass (2 FLOPs per
-    weight): attention q/k/v/o, SwiGLU gate/up/down, the MoE router in full and top_k/E of
-    the expert weights, GDN q/k/v/gate/a/b/o and the depthwise conv taps (2·K per channel,
-    which is 2 FLOPs per tap weight too), the mos/moss context and prior projections. Norm
-    weights, A_log, dt_bias, AttnRes queries, the tables and the gate are excluded."""
-    _, state = model_lib.abstract(cfg_model)
-    out = dict.fromkeys(("attention", "mlp", "moe", "gdn", "head"), 0.0)
-    E, k = (cfg_model.moe.n_experts, cfg_model.moe.top_k) if cfg_model.arch == "moe" else (1, 1)
-    for path, var in flat_variables(state):
-        name, n = path_str(path), float(np.prod(var.shape))
-        comp, leaf = component(name), name.rsplit("/", 1)[-1]
-        if comp not in out or leaf in NON_MATMUL or (comp == "gdn" and leaf == "norm"):
-            continue
-        out[comp] += n * k / E if is_expert_weight(name) else n
+    """Per component with matmul weights (the family's `ParamGroup(matmul=True)` and the head's
+    own weights beside its tables and gate: `head`), the weights each token multiplies once in
+    the forward pass (2 FLOPs per weight), each group's counted for the fraction of tokens that
+    use it: attention q/k/v/o, SwiGLU gate/up/down, the MoE router in full and top_k/E of the
+    expert weights, GDN q/k/v/gate/a/b/o and the depthwise conv taps (2·K per channel, which is
+    2 FLOPs per tap weight too), the mos/moss context and prior projections. Norm weights,
+    A_log, dt_bias, AttnRes queries, the tables and the gate are not matmul weights."""
+    out = {"head": 0.0} | {g.component: 0.0 for g in model_lib.family(cfg_model).components if g.matmul}
+    for p in model_lib.accounting(cfg_model):
+        if p.matmul:
+            out[p.component] += float(p.size * p.used)
     return out
-
-
-def _pattern_counts(cfg_model) -> dict[str, int]:
-    pattern = model_lib.layer_pattern(cfg_model)
-    repeats = cfg_model.n_layers // len(pattern)
-    return {kind: repeats * pattern.count(kind) for kind in ("attention", "gdn")}
 
 
 def flops_per_token(cfg_model, seq_len: int, causal: bool = True) -> dict[str, float]:
@@ -113,49 +82,45 @@ def flops_per_token(cfg_model, seq_len: int, causal: bool = True) -> dict[str, f
     PaLM's MFU does and XLA's `dot_product_attention` computes. `train_full_square` is the
     training total counted the PaLM way, for comparison with papers that use it:
 
-    * `body_matmul`: 2 FLOPs per weight of `matmul_weights` (attention and GDN projections,
-      SwiGLU, the MoE router and the ACTIVE experts — top_k/E of them: the model's work, not
-      the E·C capacity slots the sort and dense dispatches compute, which is capacity_factor ×
-      the active expert FLOPs when every slot is filled (the grouped dispatch computes the kept
-      assignments only, at most the active FLOPs) — GDN's depthwise conv as 2·K per
-      channel, the mos/moss context projections K·d² and prior d·K).
+    * `body_matmul`: 2 FLOPs per weight of `matmul_weights` outside the head (attention and
+      GDN projections, SwiGLU, the MoE router and the ACTIVE experts — top_k/E of them: the
+      model's work, not the E·C capacity slots the sort and dense dispatches compute, which is
+      capacity_factor × the active expert FLOPs when every slot is filled (the grouped dispatch
+      computes the kept assignments only, at most the active FLOPs) — GDN's depthwise conv as
+      2·K per channel).
     * `head`: 2·V·d per output projection — 2 for twin / twin_output_only, K for mos / moss
-      (each component through the tied table), 1 otherwise — plus 2·d for a gate's dot.
-    * `attention_scores`: 4·T·n_heads·head_dim per ATTENTION layer for QKᵀ and PV over the
-      full T×T square, half that when `causal`; GDN layers have none.
-    * `gdn_recurrence`: per GDN layer, `models.gdn.recurrence_flops` (intra-chunk, the blocked
-      triangular inverse and its product, the state terms ≈ 6·H·dk·dv per token).
-    * `attnres`: 2·d per source per AttnRes mixing (the pseudo-query dot with each normed
-      source), summed over every sublayer and the final mixing (`models.attnres.sources_per_token`).
+      (each component through the tied table), 1 otherwise — plus 2·d for a gate's dot and
+      2 per weight of the head's own matmuls (the mos/moss context projections K·d² and prior d·K).
+    * `attention_scores`: 4·T·n_heads·head_dim per ATTENTION layer of the layer pattern for QKᵀ
+      and PV over the full T×T square, half that when `causal`; GDN layers have none.
+    * `extra`: the family's `extra_flops`, each term also under its own key: `gdn_recurrence`
+      (per GDN layer, `models.gdn.recurrence_flops`: intra-chunk, the blocked triangular
+      inverse and its product, the state terms ≈ 6·H·dk·dv per token), `attnres` (2·d per
+      source per AttnRes mixing, `models.attnres.extra_flops`).
     """
     m = cfg_model
     weights = matmul_weights(m)
     counts = param_counts(m)
-    body = 2 * sum(weights[c] for c in ("attention", "mlp", "moe", "gdn"))
+    body = 2 * sum(w for c, w in weights.items() if c != "head")
     projections = output_projections(m)
     head = 2 * (projections * m.vocab_size * m.d_model + weights["head"] + counts["gate"])
-    layers = _pattern_counts(m)
-    full_scores = 4 * seq_len * m.n_heads * m.head_dim * layers["attention"]
+    pattern = model_lib.layer_pattern(m)
+    attention_layers = m.n_layers // len(pattern) * pattern.count("attention")
+    full_scores = 4 * seq_len * m.n_heads * m.head_dim * attention_layers
     scores = full_scores / 2 if causal else full_scores
-    gdn_cost = 0.0
-    if layers["gdn"]:
-        gdn_parts = gdn.recurrence_flops(m, seq_len)
-        gdn_cost = layers["gdn"] * sum(gdn_parts.values())
-    attnres_cost = 2 * m.d_model * attnres.sources_per_token(m) if m.arch == "attnres" else 0
-    forward = body + head + scores + gdn_cost + attnres_cost
-    out = {
+    terms = model_lib.family(m).extra_flops(m, seq_len)
+    extra = sum(terms.values())
+    forward = body + head + scores + extra
+    return {
         "forward": float(forward),
         "train": float(3 * forward),
         "train_full_square": float(3 * (forward - scores + full_scores)),
         "body_matmul": float(body),
         "head": float(head),
         "attention_scores": float(scores),
-        "gdn_recurrence": float(gdn_cost),
-        "attnres": float(attnres_cost),
+        "extra": float(extra),
+        **{term: float(v) for term, v in terms.items()},
     }
-    if layers["gdn"]:
-        out["gdn_solve"] = float(layers["gdn"] * gdn_parts["solve"])
-    return out
 
 
 def summarize(cfg) -> dict:
@@ -163,6 +128,7 @@ def summarize(cfg) -> dict:
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     return {
         "config": cfg.name,
+        "components": list(components(cfg.model)),
         **counts,
         "flops_per_token_train": flops["train"],
         "flops_per_token_forward": flops["forward"],
@@ -170,7 +136,7 @@ def summarize(cfg) -> dict:
 
 
 def format_table(s: dict) -> str:
-    rows = [(c, s[c]) for c in COMPONENTS] + [
+    rows = [(c, s[c]) for c in s["components"]] + [
         ("total", s["total"]), ("non_embedding", s["non_embedding"]), ("active", s["active"])]
     width = max(len(r[0]) for r in rows)
     lines = [f"{s['config']}", "-" * (width + 18)]

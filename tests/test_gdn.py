@@ -18,6 +18,7 @@ Measured worst cases (outputs, state, every gradient, T up to 512): 2.9e-3 to 1.
 
 import inspect
 import os
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +275,31 @@ def test_gdn_142m_parameter_count():
     # per GDN layer: q, k, v, gate, o (5·d·H·128), a, b, A_log, dt_bias, convs, norm
     assert std["gdn"] == 12 * (5 * d * 768 + 2 * d * 6 + 2 * 6 + 4 * 3 * 768 + 128)
     assert twin["total"] - std["total"] == 50304 * d + d
+
+
+def test_initialisers_unchanged_since_params_py():
+    """A_log and dt_bias come from `gdn.INITIALIZERS` (registered through the GDN family's
+    record since they left params.py) and keep their values bit for bit: the functions params.py
+    had, written out here, of the same path-derived keys; exp(A_log) ∈ [1e-4, 16] and
+    softplus(dt_bias) = dt ∈ [1e-3, 0.1]."""
+
+    def old_dt_bias(key, shape):
+        dt = jnp.exp(jax.random.uniform(key, shape) * (np.log(0.1) - np.log(1e-3)) + np.log(1e-3))
+        dt = jnp.maximum(dt, 1e-4)
+        return dt + jnp.log(-jnp.expm1(-dt))
+
+    old = {"A_log": lambda key, shape: jnp.log(jax.random.uniform(key, shape, minval=1e-4, maxval=16.0)),
+           "dt_bias": old_dt_bias}
+    m = _load("gdn-tiny-twin", n_layers=4)
+    m.gdn.n_heads = 64  # enough values to see the ranges filled
+    _, state = params_lib.abstract_state(lambda: gdn.GatedDeltaNet(m))
+    p = params_lib.init_params(state, seed=5)
+    for name, init in old.items():
+        key = jax.random.fold_in(jax.random.key(5), zlib.crc32(name.encode()))  # params.init_value's key
+        np.testing.assert_array_equal(p[name], init(key, (64,)))
+    a, dt = np.exp(np.asarray(p["A_log"])), np.asarray(jax.nn.softplus(p["dt_bias"]))
+    assert 1e-4 <= a.min() < 1 < a.max() <= 16
+    assert 1e-3 * (1 - 1e-5) <= dt.min() < 0.01 < dt.max() <= 0.1 * (1 + 1e-5)
 
 
 # ----------------------------------------------------------------------------- in the model

@@ -49,7 +49,7 @@ def recomputed_flops_per_token(cfg) -> float:
     attention kernel; `dots` keeps every projection but not the batched attention dots (nor a
     fused kernel, which is no dot); `full` recomputes the layer."""
     f = _flops(cfg)
-    body, scores, other = f["body_matmul"], f["attention_scores"], f["gdn_recurrence"] + f["attnres"]
+    body, scores, other = f["body_matmul"], f["attention_scores"], f["extra"]
     return {"none": 0.0, "dots": scores + other, "attention": body + other, "attention_experts": body + other,
             "attention_offload": body + other, "full": body + scores + other}[cfg.model.remat]
 

@@ -6,18 +6,26 @@
 
 The trunk knows nothing of the head, so another head or a fused loss plugs in on `hidden`.
 
-A family is one file here (`dense`, `moe`, `gdn`, `attnres`) and one entry of `FAMILIES`;
-`config` derives `model.arch`'s choices from it. Adding a family touches its own file and
-this registry only.
+A family is one file here (`dense`, `moe`, `gdn`, `attnres`) and one `Family` record in
+`FAMILIES` (`register`); `config` derives `model.arch`'s choices from it. The record says
+everything the package knows of the family, the summary's accounting included: which
+component each trunk parameter counts in (`components`, checked for every path when the
+config is validated), its extra FLOPs beyond the weights' and the attention scores
+(`extra_flops`) and the initialisers it names (`initializers`). Adding a family touches its
+own file and this registry only (README, "Adding a decoder family").
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import fnmatch
+import json
+from fractions import Fraction
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from onona_jax import heads as heads_lib
@@ -44,15 +52,27 @@ def _no_aux_loss(stats: dict, cfg_model):
     return jnp.zeros((), jnp.float32), {}
 
 
+def _no_extra_flops(cfg_model, seq_len: int) -> dict[str, float]:
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """What the rest of the package knows of a decoder family."""
 
     trunk: Callable  # cfg_model -> the body module: trunk(x, positions) -> (h, stats)
+    # The summary's rows of every trunk parameter (`params.ParamGroup`s; each path matches
+    # exactly one, checked by config validation before anything is written).
+    components: tuple[params_lib.ParamGroup, ...]
     layer_pattern: str = "attention"  # default of model.layer_pattern
     validate: Callable = _no_problems  # cfg_model -> [problem messages naming key and fix]
     eval_config: Callable = _unchanged  # cfg_model -> the config evaluation and serving build
     aux_loss: Callable = _no_aux_loss  # (trunk stats, cfg_model) -> (term added to the loss, metrics)
+    # (cfg_model, seq_len) -> {term: forward FLOPs per token} beyond 2 per matmul weight and the
+    # attention layers' scores, which the summary counts for every family (GDN's recurrence,
+    # AttnRes's depth mixing).
+    extra_flops: Callable = _no_extra_flops
+    initializers: dict = dataclasses.field(default_factory=dict)  # name -> fn(key, shape), see params
 
 
 def _residual(ffn: str):
@@ -60,13 +80,45 @@ def _residual(ffn: str):
     return lambda cfg: dense.Trunk(cfg, layer_pattern(cfg), MIXERS, FEED_FORWARDS[ffn])
 
 
-FAMILIES: dict[str, Family] = {
-    "dense": Family(trunk=_residual("mlp")),
-    "moe": Family(trunk=_residual("moe"), validate=moe.config_problems,
-                  eval_config=moe.eval_config, aux_loss=moe.aux_loss),
-    "gdn": Family(trunk=_residual("mlp"), layer_pattern="gdn,gdn,gdn,attention"),
-    "attnres": Family(trunk=attnres.AttnResTrunk, validate=attnres.config_problems),
-}
+# Per-layer extra FLOPs of the residual trunk's mixers, by layer-pattern name (attention's
+# scores are the summary's own).
+MIXER_FLOPS = {"gdn": gdn.layer_flops}
+
+
+def _residual_flops(cfg_model, seq_len: int) -> dict[str, float]:
+    pattern = layer_pattern(cfg_model)
+    repeats = cfg_model.n_layers // len(pattern)
+    out: dict[str, float] = {}
+    for kind in dict.fromkeys(pattern):
+        if kind in MIXER_FLOPS:
+            for term, flops in MIXER_FLOPS[kind](cfg_model, seq_len).items():
+                out[term] = out.get(term, 0.0) + repeats * pattern.count(kind) * flops
+    return out
+
+
+# What the residual trunk may hold, whatever its family's default pattern (model.layer_pattern
+# may put GDN layers into a Dense or MoE model): every mixer's and feed-forward's parameters
+# and initialisers, and the mixers' extra FLOPs.
+RESIDUAL = dict(components=dense.COMPONENTS + gdn.COMPONENTS + moe.COMPONENTS,
+                initializers=gdn.INITIALIZERS, extra_flops=_residual_flops)
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(name: str, fam: Family) -> None:
+    """Make `fam` model.arch=`name` (its initialisers join `params.INITIALIZERS`)."""
+    if name in FAMILIES:
+        raise ValueError(f"model.arch {name!r} is registered already; give the new family a name of its own")
+    params_lib.register_initializers(fam.initializers)
+    FAMILIES[name] = fam
+
+
+register("dense", Family(trunk=_residual("mlp"), **RESIDUAL))
+register("moe", Family(trunk=_residual("moe"), validate=moe.config_problems, eval_config=moe.eval_config,
+                       aux_loss=moe.aux_loss, **RESIDUAL))
+register("gdn", Family(trunk=_residual("mlp"), layer_pattern="gdn,gdn,gdn,attention", **RESIDUAL))
+register("attnres", Family(trunk=attnres.AttnResTrunk, validate=attnres.config_problems,
+                           components=attnres.COMPONENTS, extra_flops=attnres.extra_flops))
 
 
 def family(cfg_model) -> Family:
@@ -178,6 +230,78 @@ class Model(nnx.Module):
 def abstract(cfg, head=None):
     """(graphdef, abstract state) of `Model(cfg)`: shapes and metadata only, no allocation."""
     return params_lib.abstract_state(lambda: Model(cfg, head() if head is not None else None))
+
+
+class Counted(NamedTuple):
+    """A parameter as the summary counts it: its path (`params.path_str`), size, summary row,
+    whether it is a matmul weight and the fraction of tokens that use it."""
+
+    path: str
+    size: int
+    component: str
+    matmul: bool
+    used: Fraction
+
+
+def _head_group(cfg_model, name: str) -> params_lib.ParamGroup:
+    """The head's rows, from what the head declares: its vocabulary tables, its gate, and any
+    other head weight (MoS's context and prior projections) a matmul weight of `head`."""
+    if name in heads_lib.head_class(cfg_model.head).tables:
+        return params_lib.ParamGroup("tables", (), matmul=False)
+    return params_lib.ParamGroup(*(("gate", (), False) if name == "gate" else ("head", ())))
+
+
+# _accounting's results by (family record, head class, model config): validation, the summary
+# and the training loop ask about the same model several times, each would trace it anew. The
+# records are kept in the values, so their ids cannot be reused while cached.
+_ACCOUNTED: dict = {}
+
+
+def _accounting(cfg_model) -> tuple[tuple[Counted, ...], tuple[str, ...]]:
+    fam, head = family(cfg_model), heads_lib.head_class(cfg_model.head)
+    key = (id(fam), id(head), json.dumps(cfg_model.to_dict(), sort_keys=True, default=str))
+    if key not in _ACCOUNTED:
+        if len(_ACCOUNTED) >= 256:
+            _ACCOUNTED.clear()
+        _ACCOUNTED[key] = (fam, head, *_trace_accounting(cfg_model, fam))
+    return _ACCOUNTED[key][2:]
+
+
+def _trace_accounting(cfg_model, fam) -> tuple[tuple[Counted, ...], tuple[str, ...]]:
+    _, state = abstract(cfg_model)
+    counted, problems = [], []
+    for path, var in params_lib.flat_variables(state):
+        name, size = params_lib.path_str(path), int(np.prod(var.shape))
+        if name.startswith("head/"):
+            groups = [_head_group(cfg_model, name.rsplit("/", 1)[-1])]
+        else:
+            groups = [g for g in fam.components if any(fnmatch.fnmatchcase(name, p) for p in g.paths)]
+        if len(groups) != 1:
+            problems.append(
+                f"parameter {name!r} of model.arch={cfg_model.arch!r} matches {len(groups)} of its family's "
+                f"components ({', '.join(g.component for g in groups)}); narrow their globs (ParamGroup.paths) "
+                "so that exactly one matches it" if groups else
+                f"parameter {name!r} of model.arch={cfg_model.arch!r} is in none of its family's components; "
+                "declare it in the family's components (a params.ParamGroup in its Family record, models.register)")
+            continue
+        g = groups[0]
+        used = Fraction(1) if g.used is None else Fraction(g.used(cfg_model))
+        counted.append(Counted(name, size, g.component, g.matmul, used))
+    return tuple(counted), tuple(problems)
+
+
+def accounting_problems(cfg_model) -> tuple[str, ...]:
+    """Each parameter of Model(cfg_model) that its family's `components` do not place in
+    exactly one summary row (config validation: from the abstract model, before any write)."""
+    return _accounting(cfg_model)[1]
+
+
+def accounting(cfg_model) -> tuple[Counted, ...]:
+    """Every parameter of Model(cfg_model) as the summary counts it (abstract: no allocation)."""
+    counted, problems = _accounting(cfg_model)
+    if problems:
+        raise ValueError(problems[0])
+    return counted
 
 
 def placed(cfg, mesh):

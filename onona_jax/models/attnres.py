@@ -54,7 +54,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from onona_jax.layers import MLP, Attention, RMSNorm, checkpointed, rms_norm, zeros_stacked
-from onona_jax.params import Stack, param
+from onona_jax.models import dense
+from onona_jax.params import ParamGroup, Stack, param
 from onona_jax.sharding import constrain
 
 ACT = ("batch", "seq", "act_embed")
@@ -135,6 +136,21 @@ def sources_per_token(cfg_model) -> int:
     1 + ceil(s/k) of them and the final AttnRes 1 + ceil(2L/k) (k = block size)."""
     k, L = int(cfg_model.attnres.block_size), cfg_model.n_layers
     return sum(n_sources(s, k) for s in range(2 * L + 1))
+
+
+def extra_flops(cfg_model, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of the depth mixing beyond the weights': 2·d per source per
+    AttnRes mixing (the pseudo-query dot with each normed source), summed over every sublayer
+    and the final mixing. The mixing's elementwise work is not counted."""
+    return {"attnres": 2 * cfg_model.d_model * sources_per_token(cfg_model)}
+
+
+# The summary's rows of an AttnRes trunk: Dense's attention, SwiGLU and norms (the same
+# attribute names, `dense.COMPONENTS`), plus the mixings' queries and key-norm weights, which
+# are no matmul weights (their dots are `extra_flops`).
+COMPONENTS = dense.COMPONENTS + (
+    ParamGroup("attnres", ("trunk/layers/attnres/*", "trunk/final_attnres/*"), matmul=False),
+)
 
 
 # ----------------------------------------------------------------------------- modules

@@ -18,8 +18,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from onona_jax.layers import RMSNorm, checkpointed, zeros_stacked
-from onona_jax.params import Stack
+from onona_jax.params import ParamGroup, Stack
 from onona_jax.sharding import constrain
+
+
+# The summary's rows of the shared layers as this trunk names them (`attn`, `mlp` and the
+# norms; AttnRes uses the same names): the attention and SwiGLU projections are matmul
+# weights, the RMSNorm weights (QK-norm included) are not. The Dense, MoE and GDN families
+# add their mixers' and feed-forwards' own (`models.RESIDUAL`).
+COMPONENTS = (
+    ParamGroup("attention", tuple(f"trunk/layers/attn/{n}" for n in ("q", "k", "v", "o"))),
+    ParamGroup("mlp", tuple(f"trunk/layers/mlp/{n}" for n in ("gate", "up", "down"))),
+    ParamGroup("norms", ("trunk/layers/attn/q_norm/weight", "trunk/layers/attn/k_norm/weight",
+                         "trunk/layers/attn_norm/weight", "trunk/layers/mlp_norm/weight",
+                         "trunk/final_norm/weight"), matmul=False),
+)
 
 
 def add_aux(total: dict, aux: dict) -> dict:

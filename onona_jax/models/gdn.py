@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from onona_jax.params import param
+from onona_jax.params import ParamGroup, param
 from onona_jax.sharding import constrain
 
 # The precision of the recurrence's matmuls (config key model.gdn.precision):
@@ -263,6 +264,36 @@ def recurrence_flops(cfg_model, seq_len: int) -> dict[str, float]:
         "solve": pad * H * (4 * P**3 * (P.bit_length() - 1) / C + 2 * C * (dk + dv)),
         "state": pad * H * 2 * dk * dv * (2 + (N - 1) / N),
     }
+
+
+def layer_flops(cfg_model, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of one GDN layer beyond its weights' (summary's extra term):
+    the chunked recurrence, `recurrence_flops` summed."""
+    return {"gdn_recurrence": sum(recurrence_flops(cfg_model, seq_len).values())}
+
+
+def _dt_bias(key, shape):
+    # softplus⁻¹(dt) with dt log-uniform in [1e-3, 0.1] (Mamba-2 / Gated DeltaNet init).
+    dt = jnp.exp(jax.random.uniform(key, shape) * (np.log(0.1) - np.log(1e-3)) + np.log(1e-3))
+    dt = jnp.maximum(dt, 1e-4)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+# The initialisers GatedDeltaNet names beyond params' own, registered through the Family
+# record of every family whose trunk may hold GDN layers (`models.register`).
+INITIALIZERS = {
+    "a_log": lambda key, shape: jnp.log(jax.random.uniform(key, shape, minval=1e-4, maxval=16.0)),
+    "dt_bias": _dt_bias,
+}
+
+# GatedDeltaNet's parameters under the residual trunk's `gdn` attribute, for the summary:
+# projections and conv taps are matmul weights (the depthwise conv's 2·K FLOPs per channel are
+# 2 per tap weight); the decay parameters and the gated norm's weight are not.
+_GDN = "trunk/layers/gdn/"
+COMPONENTS = (
+    ParamGroup("gdn", tuple(_GDN + n for n in ("q", "k", "v", "gate", "a", "b", "o", "conv_q", "conv_k", "conv_v"))),
+    ParamGroup("gdn", tuple(_GDN + n for n in ("A_log", "dt_bias", "norm")), matmul=False),
+)
 
 
 def config_problems(cfg_model) -> list[str]:

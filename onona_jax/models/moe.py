@@ -38,6 +38,7 @@ tokens); `router_stats(aux)` gives drop fraction and expert load.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -45,11 +46,21 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from onona_jax.layers import EXPERT_WEIGHTS
-from onona_jax.params import param
+from onona_jax.params import ParamGroup, param
 from onona_jax import sharding
 from onona_jax.sharding import constrain
 
 AUX_KEYS = ("moe_assign", "moe_prob", "moe_tokens", "moe_dropped", "moe_layers")
+
+
+# The MoE's parameters under the residual trunk's `moe` attribute, for the summary: the router
+# is used by every token, each expert matrix by top_k/E of them (the model's work, not the
+# capacity slots a dispatch computes), which the active parameter count and FLOPs follow.
+COMPONENTS = (
+    ParamGroup("moe", ("trunk/layers/moe/router",)),
+    ParamGroup("moe", tuple(f"trunk/layers/moe/{n}" for n in ("gate", "up", "down")),
+               used=lambda m: Fraction(m.moe.top_k, m.moe.n_experts)),
+)
 
 
 def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:

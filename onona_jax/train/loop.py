@@ -557,6 +557,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
 
     from onona_jax.data import pipeline
 
+    flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)  # the family's count, before any write
     wd = paths.Workdir(workdir)
     check_writable(wd.checkpoints)
     profiler = held["profiler"] = Profiler(cfg, workdir)
@@ -602,7 +603,6 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
     all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(t)])),
                          out_shardings=NamedSharding(run.mesh, P()))
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_tflops(cfg)
     log = held["log"] = MetricsLog(workdir, cfg)
     log.restart(start)
