@@ -21,14 +21,17 @@ from onona_jax.models import attnres, gdn
 from onona_jax.params import flat_variables, path_str
 
 COMPONENTS = ("tables", "gate", "head", "attention", "gdn", "mlp", "moe", "attnres", "norms")
-# Every head's vocabulary tables, as the heads declare them.
-TABLES = tuple(sorted({t for name in heads_lib.HEADS for t in heads_lib.head_class(name).tables}))
+
+
+def tables() -> set[str]:
+    """Every registered head's vocabulary tables, as the heads declare them."""
+    return {t for cls in heads_lib.HEADS.values() for t in cls.tables}
 
 
 def component(path: str) -> str:
     if path.startswith("head/"):
         name = path.split("/")[-1]
-        return "tables" if name in TABLES else "gate" if name == "gate" else "head"
+        return "tables" if name in tables() else "gate" if name == "gate" else "head"
     for part in ("attnres", "gdn", "moe"):  # before "norm": these own norm weights too
         if f"{part}/" in path or path.startswith(part):
             return part
