@@ -245,9 +245,9 @@ def test_folded_server_scores_and_generates_as_the_model(triplet_run):
     greedy decoding the argmax of the full forward; one-projection sampling runs per seed."""
     server = serving.Server.from_workdir(triplet_run)
     assert server.gated and server.gate.shape == (server.vocab_size, 3)
-    params, _, cfg, _ = restore_params(triplet_run, mesh=(1, 1, 1))
+    params, _, cfg, _ = restore_params(triplet_run, mesh=(8, 1, 1))
     graphdef, _ = model_lib.abstract(cfg.model)
-    net = model_lib.bind(graphdef, params)
+    net = model_lib.bind(graphdef, jax.device_get(params))
     np.testing.assert_allclose(server.gate, np.asarray(net.head.gate_probs(jnp.arange(server.vocab_size))),
                                rtol=0, atol=1e-6)
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 12))
