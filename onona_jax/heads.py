@@ -177,6 +177,7 @@ def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chun
 #   upcycle(fresh, E)  its parameters started from a tied Standard checkpoint's table E
 #                 (a method: the base refuses; a table it leaves unfilled is an error)
 #   gate_reads    (symbol, definition) of the rows its gate reads, None without a gate
+#   gate_probs(tokens)  the gate's weights per input token (gate analysis)
 #   gate_stats(tokens)  the gate statistics the train step logs (moments; {} without a gate)
 
 
@@ -256,6 +257,11 @@ class Head(nnx.Module):
 
     def fold(self) -> Fold | None:
         return None
+
+    def gate_probs(self, tokens):
+        """The gate's weights for input `tokens`: [...] for a two-way gate (the first table's
+        weight, g) or [..., K]; what gate analysis reads. Heads with `gate_reads` define it."""
+        raise NotImplementedError(f"{type(self).__name__} declares no gate (gate_reads is None)")
 
     def gate_stats(self, tokens) -> dict:
         """Gate moments over the input `tokens` for the train step's log: `gate_mean` and
