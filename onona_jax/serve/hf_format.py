@@ -341,7 +341,8 @@ def _fold(head: dict, m):
     graphdef, _ = params_lib.abstract_state(lambda: heads.make_head(m))
     with jax.default_matmul_precision("highest"):
         f = nnx.merge(graphdef, jax.tree.map(jnp.asarray, head)).fold()
-        return jax.tree.map(lambda x: np.asarray(x, np.float32), f)
+        arrays = jax.tree.map(lambda x: np.asarray(x, np.float32), f._replace(score=None))
+        return arrays._replace(score=f.score)
 
 
 def head_to_hf(head: dict, m) -> tuple[dict[str, np.ndarray], dict]:
