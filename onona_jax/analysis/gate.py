@@ -90,17 +90,6 @@ def gate_of(params, cfg_model) -> np.ndarray:
     return g
 
 
-def gate_values(rows: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """g = σ(wᵀ rmsnorm(rows)) per row, fp32, with the model's own `heads.gate_logit` (full
-    fp32 matmul precision on every backend)."""
-    import jax
-    import jax.numpy as jnp
-
-    with jax.default_matmul_precision("highest"):
-        z = heads.gate_logit(jnp.asarray(rows, jnp.float32), jnp.asarray(w, jnp.float32))
-        return np.asarray(jax.nn.sigmoid(z), np.float32)
-
-
 def weighted_quantile(x: np.ndarray, weights: np.ndarray, q: float) -> float:
     """Inverse-CDF quantile of x under weights (numpy's method="inverted_cdf" applied to x
     repeated weight times): the smallest x whose cumulative weight reaches q·Σw. Entries of
