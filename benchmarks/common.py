@@ -105,7 +105,7 @@ def jax_side(cfg):
 
     from onona_jax import models, train as trainer
     from onona_jax.params import logical_axes
-    from onona_jax.serve import convert
+    from onona_jax.serve import hf_format
     from onona_jax.train import optimizer
 
     run = trainer.setup(cfg, jax.devices()[:1])
@@ -115,8 +115,8 @@ def jax_side(cfg):
     mask = optimizer.decay_mask(logical_axes(models.abstract(cfg.model)[1]))
     if cfg.train.decay_vectors:
         mask = jax.tree.map(lambda _: True, mask)
-    decays = convert.to_hf_state_dict(jax.tree.map(lambda p, d: np.full(p.shape, float(d), np.float32), params, mask),
-                                      cfg.model)
+    decays = hf_format.to_hf(jax.tree.map(lambda p, d: np.full(p.shape, float(d), np.float32), params, mask),
+                             cfg.model)
     decays = {name: bool(v.all()) for name, v in decays.items()}
     batch_shape = (cfg.train.global_batch, cfg.data.seq_len + 1)
     abstract_batch = jax.ShapeDtypeStruct(batch_shape, jax.numpy.int32, sharding=run.batch_sharding)

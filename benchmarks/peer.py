@@ -13,7 +13,7 @@ Variants, per head (standard: the tied softmax; twin: the Figure 2 `TwinTables`)
 * jax            -- onona-jax's jitted train step (`train.make_train_step`, `model.loss` as
   configured: "fused" by default), one device, no accumulation.
 * torch_eager    -- a transformers `Qwen3ForCausalLM` (standard, tied) or
-  `torch_ref.TwinQwen3` (a `Qwen3Model` body + `TwinTables`), SDPA attention (transformers'
+  `tests/reference/torch_ref.TwinQwen3` (a `Qwen3Model` body + `TwinTables`), SDPA attention (transformers'
   default), fp32 cross-entropy / NLL of the log-probabilities, `clip_grad_norm_` and
   `torch.optim.AdamW` with our hyperparameters: the same lr schedule (optimizer.wsd, set per
   step), betas, eps, weight decay on exactly the parameters our mask decays, grad clip.
@@ -26,7 +26,7 @@ step, report its time" requests over a pipe; `OMP_WAIT_POLICY=PASSIVE`, torch th
 the cores this process may use; with `--keep_freed_memory`, glibc keeps what each worker
 frees (`common.keep_freed_memory` says why; off by default, as users run both frameworks). The jax
 worker initialises the parameters (`train.init_state`, `cfg.seed`) and hands them to the
-torch workers, which load them through `serve.convert.to_hf_state_dict`
+torch workers, which load them through `serve.hf_format.to_hf`
 (`TwinQwen3.load_from_jax`). Before any timing, every
 variant's first-step loss (the same batch, the same weights) must equal jax's to
 `LOSS_RTOL`, the parameter counts must be equal, and the second-step loss (after one
@@ -51,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from absl import flags
 
@@ -102,12 +103,13 @@ def torch_model(head: str, model_cfg: dict, params):
     import torch
     import torch.nn.functional as F
 
-    from onona_jax.serve import convert
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the PyTorch reference
+    from reference.torch_ref import hf_qwen3_config, state_dict_from_jax
 
     m = ml_collections.ConfigDict(model_cfg)
     V = m.vocab_size
     if head == "twin":
-        from onona_jax.serve.torch_ref import TwinQwen3
+        from reference.torch_ref import TwinQwen3
 
         model = TwinQwen3(m).load_from_jax(params, m)
         body = model.model
@@ -117,8 +119,8 @@ def torch_model(head: str, model_cfg: dict, params):
     elif head == "standard":
         from transformers import Qwen3ForCausalLM
 
-        model = Qwen3ForCausalLM(convert.hf_qwen3_config(m))
-        sd = {k: torch.from_numpy(v) for k, v in convert.to_hf_state_dict(params, m).items()}
+        model = Qwen3ForCausalLM(hf_qwen3_config(m))
+        sd = state_dict_from_jax(params, m)
         missing, unexpected = model.load_state_dict(sd, strict=False)
         if missing != ["lm_head.weight"] or unexpected:  # tied: lm_head is embed_tokens
             raise cli.Failure(f"standard torch model: missing {missing}, unexpected {unexpected}")
@@ -129,7 +131,7 @@ def torch_model(head: str, model_cfg: dict, params):
             return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
     else:
         raise ValueError(f"no PyTorch peer for head {head!r}; choose standard or twin")
-    # convert's config asks for eager attention (exact parity tests); a user trains with
+    # the reference config asks for eager attention (exact parity tests); a user trains with
     # transformers' default, SDPA, which is faster on CPU too.
     body.set_attn_implementation("sdpa")
     return model.train(), loss_fn

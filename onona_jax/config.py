@@ -174,7 +174,7 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
                  f"{key}={value} is not a finite number; give a finite value (its default is {defaults.get(key)})")
 
     need(m.arch in models.FAMILIES, f"unknown model.arch {m.arch!r}; choose one of {tuple(models.FAMILIES)}")
-    need(m.head in HEADS, f"unknown model.head {m.head!r}; choose one of {HEADS}")
+    need(m.head in heads_lib.HEADS, f"unknown model.head {m.head!r}; choose one of {tuple(heads_lib.HEADS)}")
     for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size"):
         need(int(m[key]) > 0, f"model.{key} must be positive, got {m[key]}")
     need(

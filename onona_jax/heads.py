@@ -16,8 +16,7 @@ time, with the gradients, in the forward pass. Every reduction runs in fp32.
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,42 +60,10 @@ def target_log_softmax(z: jax.Array, targets: jax.Array) -> jax.Array:
     return tgt - lse
 
 
-def mix(log_p_a: jax.Array, log_p_b: jax.Array, z: jax.Array) -> jax.Array:
-    """log(σ(z)·p_a + σ(−z)·p_b) in log space; stable for any |z| (logsigmoid, not log∘sigmoid)."""
-    return jnp.logaddexp(log_p_a + jax.nn.log_sigmoid(z), log_p_b + jax.nn.log_sigmoid(-z))
-
-
-def standard_log_probs(h, E):
-    return log_softmax(logits(h, E))
-
-
-def twin_log_probs(h, x0, A, B, w):
-    """onóna (SPEC §1): logaddexp(log_softmax(hAᵀ) + logσ(z), log_softmax(hBᵀ) + logσ(−z))."""
-    z = gate_logit(x0, w)[..., None]
-    return mix(log_softmax(logits(h, A)), log_softmax(logits(h, B)), z)
-
-
-def standard_target_log_probs(h, E, targets):
-    return target_log_softmax(logits(h, E), targets)
-
-
-def twin_target_log_probs(h, x0, A, B, w, targets):
-    return table_target_log_probs(h, (A, B), targets, gate_logit(x0, w))
-
-
 def sigsoftmax_scores(z: jax.Array) -> jax.Array:
     """log(exp(z)·σ(z)) = 2z − softplus(z), fp32: sigsoftmax's unnormalised log-probabilities."""
     z = z.astype(jnp.float32)
     return 2.0 * z - jax.nn.softplus(z)
-
-
-def sigsoftmax_log_probs(h, E):
-    """p ∝ exp(z)σ(z), z = hEᵀ (Kanai et al., 2018)."""
-    return log_softmax(sigsoftmax_scores(logits(h, E)))
-
-
-def sigsoftmax_target_log_probs(h, E, targets):
-    return target_log_softmax(sigsoftmax_scores(logits(h, E)), targets)
 
 
 def _mos_parts(h, W, W_prior):
@@ -104,15 +71,6 @@ def _mos_parts(h, W, W_prior):
     log_prior = log_softmax(h @ W_prior.astype(h.dtype))
     contexts = jnp.tanh(jnp.einsum("...d,kde->...ke", h, W.astype(h.dtype)))
     return log_prior, contexts
-
-
-def mos_log_probs(h, E, W, W_prior, sig: bool = False):
-    """Mixture of softmaxes (Yang et al., 2018): Σ_k π_k softmax(E tanh(W_k h)), in log space;
-    `sig` makes each component a sigsoftmax (MoSS)."""
-    log_prior, contexts = _mos_parts(h, W, W_prior)
-    z = logits(contexts, E)  # [..., K, V]
-    comp = log_softmax(sigsoftmax_scores(z) if sig else z)
-    return jax.nn.logsumexp(log_prior[..., None] + comp, axis=-2)
 
 
 def input_gate_rows(a_rows, b_rows, w):
@@ -204,30 +162,44 @@ def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chun
 
 # ----------------------------------------------------------------------------- modules
 #
-# Every head is a thin module that owns its parameters and declares what the rest of the
-# package needs to know of it, so nothing outside this file tests a head's name:
+# Every head is a thin module that owns its parameters and declares everything the rest of
+# the package needs to know of it, so nothing outside this file tests a head's name or
+# counts its tables:
 #
-#   tables      names of its [V, d] vocabulary tables (parameter counts, upcycling)
-#   gated       whether it has a gate over the input token (logging, analysis)
-#   ablations   the one-table evaluations it reports (twin: a, b)
-#   upcycles    init_from a standard run fills A = B = E (the containment of SPEC §1)
-#   embed(tokens), mixture(h, x0)           the forward: input rows and output distribution
-#   output_projections(cfg)                 V×d projections per position (FLOPs)
-#   fold()      the serving form (`Folded`): input table, output tables, gate logit per
-#               input token — or None when the output depends on h through more than one
-#               projection per table (MoS), so serving evaluates `log_probs` instead
-#   gate_table()  the rows the gate reads, for every vocabulary entry (gated heads)
+#   tables        names of its [V, d] vocabulary tables, any number (parameter counts)
+#   ablations     the one-table evaluations it reports (twin: a, b), `ablation_table(name)`
+#   embed(tokens), mixture(h, x0)   the forward: input rows and output distribution
+#   output_projections(cfg)         V×d projections per position (FLOPs)
+#   fold()        the serving and export form (`Fold`): input table, K output tables, the
+#                 gate lookup (log mixture weights per input token, or None) and the mixture
+#                 rule (`score`); None when the output needs more than one projection per
+#                 table (MoS), so serving evaluates `log_probs` instead
+#   upcycle(fresh, E)  its parameters started from a tied Standard checkpoint's table E
+#                 (a method: the base refuses; a table it leaves unfilled is an error)
+#   gate_reads    (symbol, definition) of the rows its gate reads, None without a gate
+#   gate_probs(tokens)  the gate's weights per input token (gate analysis)
+#   gate_stats(tokens)  the gate statistics the train step logs (moments; {} without a gate)
 
 
-class Folded(NamedTuple):
-    """A head with its input-side work done once for the whole vocabulary (serving, export):
-    the trunk reads `input[x]`; the output is the mixture of softmax(score(h·Tᵀ)) over
-    `outputs`, weighted by σ(±gate_logit[x]) when there are two (one table: no gate)."""
+class Fold(NamedTuple):
+    """A head with its input-side work done once for the whole vocabulary (serving, export).
+    The body reads `input[x]`; the output is the mixture of K softmaxes
+
+        log p(v | h, x) = logsumexp_k(log_weights[x, k] + log_softmax(score(h · outputs_kᵀ))_v)
+
+    `log_weights` [V, K] fp32 is the gate as a lookup by input token (None: K = 1); since it
+    depends on x alone, a sample of the mixture is a component k ~ exp(log_weights[x]) and
+    then a sample of softmax(score(h · outputs_kᵀ)): one V×d projection per token
+    (`serve.server`). `score` is the mixture rule's transform of the logits (`Mixture`)."""
 
     input: jax.Array  # [V, d] fp32
-    outputs: tuple  # 1 or 2 tables [V, d]
-    gate_logit: jax.Array | None = None  # [V] fp32, z of each input token
+    outputs: tuple  # K tables [V, d]
+    log_weights: jax.Array | None = None  # [V, K] fp32, the gate lookup
     score: str | None = None
+
+
+class CannotUpcycle(ValueError):
+    """A head that does not start from a Standard checkpoint (`Head.upcycle`)."""
 
 
 def _rows(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -249,9 +221,8 @@ class Head(nnx.Module):
 
     tables: tuple[str, ...] = ()
     score: str | None = None  # a score transform of the logits (sigsoftmax), see `Mixture`
-    gated = False
     ablations: tuple[str, ...] = ()
-    upcycles = False
+    gate_reads: tuple[str, str] | None = None
 
     def __init__(self, cfg):
         self.loss, self.chunk, self.token_tile = cfg.loss, cfg.loss_chunk, cfg.loss_token_tile
@@ -259,6 +230,11 @@ class Head(nnx.Module):
     @classmethod
     def output_projections(cls, cfg) -> int:
         return 1
+
+    @classmethod
+    def foldable(cls) -> bool:
+        """Whether the head has a serving fold (it overrides `fold`)."""
+        return cls.fold is not Head.fold
 
     def log_probs(self, h, x0):
         """fp32 log-probabilities [..., V]."""
@@ -279,8 +255,38 @@ class Head(nnx.Module):
         logp = mixture_target_log_probs(m, targets, self.loss, self.chunk, layout)
         return -jnp.sum(weights.astype(jnp.float32) * logp), logp
 
-    def fold(self) -> Folded | None:
+    def fold(self) -> Fold | None:
         return None
+
+    def gate_probs(self, tokens):
+        """The gate's weights for input `tokens`: [...] for a two-way gate (the first table's
+        weight, g) or [..., K]; what gate analysis reads. Heads with `gate_reads` define it."""
+        raise NotImplementedError(f"{type(self).__name__} declares no gate (gate_reads is None)")
+
+    def gate_stats(self, tokens) -> dict:
+        """Gate moments over the input `tokens` for the train step's log: `gate_mean` and
+        `gate_sq` (means of the gate value and of its square; a vector [K] for a K-way gate),
+        from which the step reports `gate_std`. Empty without a gate."""
+        return {}
+
+    @classmethod
+    def upcycle(cls, fresh: dict, E) -> dict:
+        """This head's parameters started from a tied Standard checkpoint: `fresh` is its own
+        initialised parameter dict, E [V, d] the Standard table. Runs abstractly first
+        (`jax.eval_shape`), so a refusal comes before the checkpoint is read. The base
+        refuses; heads that contain the Standard model override it with `fill_tables`."""
+        raise CannotUpcycle(f"{cls.__name__} declares no upcycling (Head.upcycle)")
+
+    @classmethod
+    def fill_tables(cls, fresh: dict, E, names) -> dict:
+        """`fresh` with each table in `names` set to E (a copy each: the train step donates
+        its inputs, and one buffer donated twice is freed twice); every table of the head
+        must be among them, else an error naming the table left at its random init."""
+        left = [t for t in cls.tables if t not in names]
+        if left:
+            raise CannotUpcycle(f"{cls.__name__}.upcycle leaves table(s) {', '.join(left)} at random init; "
+                                "fill every table from E (Head.fill_tables) or refuse upcycling")
+        return {**fresh, **{t: jnp.copy(E) for t in names}}
 
 
 class StandardHead(Head):
@@ -299,7 +305,7 @@ class StandardHead(Head):
         return Mixture(h, (self.embedding[...],))
 
     def fold(self):
-        return Folded(self.embedding[...], (self.embedding[...],))
+        return Fold(self.embedding[...], (self.embedding[...],))
 
 
 class TwinHead(Head):
@@ -307,9 +313,7 @@ class TwinHead(Head):
     a gate that reads only the input token."""
 
     tables = ("A", "B")
-    gated = True
     ablations = ("a", "b")
-    upcycles = True
     gate_reads = ("M", "M = (A+B)/2")  # (symbol, definition) of the rows the gate reads
 
     def __init__(self, cfg):
@@ -321,6 +325,12 @@ class TwinHead(Head):
     @classmethod
     def output_projections(cls, cfg) -> int:
         return 2
+
+    @classmethod
+    def upcycle(cls, fresh, E):
+        """A = B = E; the gate keeps its fresh init: while A = B every gate value gives the
+        Standard model (SPEC §1, containment)."""
+        return cls.fill_tables(fresh, E, ("A", "B"))
 
     def embed(self, tokens):
         # Gathering two rows is cheaper than forming M; (a+b)*0.5 is bitwise ((A+B)/2)[x].
@@ -335,16 +345,15 @@ class TwinHead(Head):
 
     def gate_table(self):
         """The rows the gate reads for every vocabulary entry, [V, d] fp32."""
-        return self.gate_table_of({"A": self.A[...], "B": self.B[...]})
-
-    @staticmethod
-    def gate_table_of(tables):
-        """`gate_table` from the head's parameter dict (analysis reads checkpoints)."""
-        return (tables["A"] + tables["B"]) * 0.5
+        return self.merged()
 
     def gate_probs(self, tokens):
-        """g = σ(wᵀ rmsnorm(gate rows)) per token, fp32 (for logging and serving)."""
+        """g = σ(wᵀ rmsnorm(gate rows)) per token, fp32: the weight of table A."""
         return jax.nn.sigmoid(gate_logit(self.gate_rows(tokens), self.gate[...]))
+
+    def gate_stats(self, tokens):
+        g = self.gate_probs(tokens)
+        return {"gate_mean": jnp.mean(g), "gate_sq": jnp.mean(jnp.square(g))}
 
     def mixture(self, h, x0):
         return Mixture(h, (self.A[...], self.B[...]), gate_log_weights(gate_logit(x0, self.gate[...])))
@@ -354,7 +363,8 @@ class TwinHead(Head):
         return {"a": self.A, "b": self.B}[name][...]
 
     def fold(self):
-        return Folded(self.embed_table(), (self.A[...], self.B[...]), gate_logit(self.gate_table(), self.gate[...]))
+        return Fold(self.embed_table(), (self.A[...], self.B[...]),
+                    gate_log_weights(gate_logit(self.gate_table(), self.gate[...])))
 
     def embed_table(self):
         """The rows the body reads for every vocabulary entry (M here)."""
@@ -378,7 +388,7 @@ class UntiedHead(Head):
         return Mixture(h, (self.unembedding[...],))
 
     def fold(self):
-        return Folded(self.embedding[...], (self.unembedding[...],))
+        return Fold(self.embedding[...], (self.unembedding[...],))
 
 
 class SigsoftmaxHead(StandardHead):
@@ -390,7 +400,7 @@ class SigsoftmaxHead(StandardHead):
         return Mixture(h, (self.embedding[...],), None, self.score)
 
     def fold(self):
-        return Folded(self.embedding[...], (self.embedding[...],), None, self.score)
+        return Fold(self.embedding[...], (self.embedding[...],), None, self.score)
 
 
 class MoSHead(Head):
@@ -420,6 +430,15 @@ class MoSHead(Head):
         return Mixture(contexts, (self.embedding[...],), log_prior, "sigsoftmax" if self.sig else None)
 
 
+class MoSSHead(MoSHead):
+    """MoS with sigsoftmax components."""
+
+    score = "sigsoftmax"
+
+    def __init__(self, cfg):
+        super().__init__(cfg, sig=True)
+
+
 class InputGateHead(TwinHead):
     """Control: the gate mixes the *input* rows, g·A[x] + (1−g)·B[x]; the output is a single
     softmax(Mh) with M = (A+B)/2."""
@@ -440,19 +459,22 @@ class InputGateHead(TwinHead):
         return Mixture(h, (self.merged(),))
 
     def fold(self):
-        return Folded(input_gate_rows(self.A[...], self.B[...], self.gate[...]), (self.merged(),))
+        return Fold(input_gate_rows(self.A[...], self.B[...], self.gate[...]), (self.merged(),))
 
 
 class TwinInputOnlyHead(Head):
     """Factorial cell: twin input M[x], single output softmax(Ah) (+Vd)."""
 
     tables = ("A", "B")
-    upcycles = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.A = _table(cfg.vocab_size, cfg.d_model, "A")
         self.B = _table(cfg.vocab_size, cfg.d_model, "B")
+
+    @classmethod
+    def upcycle(cls, fresh, E):
+        return cls.fill_tables(fresh, E, ("A", "B"))
 
     def embed(self, tokens):
         return (_rows(self.A[...], tokens) + _rows(self.B[...], tokens)) * 0.5
@@ -461,7 +483,7 @@ class TwinInputOnlyHead(Head):
         return Mixture(h, (self.A[...],))
 
     def fold(self):
-        return Folded((self.A[...] + self.B[...]) * 0.5, (self.A[...],))
+        return Fold((self.A[...] + self.B[...]) * 0.5, (self.A[...],))
 
 
 class TwinOutputOnlyHead(TwinHead):
@@ -473,9 +495,8 @@ class TwinOutputOnlyHead(TwinHead):
     def embed(self, tokens):
         return _rows(self.A[...], tokens)
 
-    @staticmethod
-    def gate_table_of(tables):
-        return tables["A"]
+    def gate_table(self):
+        return self.A[...]
 
     def embed_table(self):
         return self.A[...]
@@ -483,33 +504,43 @@ class TwinOutputOnlyHead(TwinHead):
 
 class NoHead(nnx.Module):
     """No parameters: the model of a server that reads its input rows and computes its output
-    from a head's `Folded` tables, so the unfolded tables need not stay in memory."""
+    from a head's `Fold`, so the unfolded tables need not stay in memory."""
 
     def embed(self, tokens):
         raise ValueError("a model served from folded tables takes its input rows as x0")
 
 
-HEADS: dict[str, Callable] = {
+HEADS: dict[str, type[Head]] = {
     "standard": StandardHead,
     "twin": TwinHead,
     "untied": UntiedHead,
     "mos": MoSHead,
     "sigsoftmax": SigsoftmaxHead,
-    "moss": functools.partial(MoSHead, sig=True),
+    "moss": MoSSHead,
     "input_gate": InputGateHead,
     "twin_input_only": TwinInputOnlyHead,
     "twin_output_only": TwinOutputOnlyHead,
 }
 
 
-def head_class(name: str):
+def register(name: str, cls: type[Head]) -> type[Head]:
+    """Add a head under `name` (`model.head`): a `Head` subclass whose constructor takes the
+    model config. Everything else (training, evaluation, serving, export, upcycling, gate
+    statistics) reads its declarations. Returns `cls`, so it works as a decorator's body."""
+    if not (isinstance(cls, type) and issubclass(cls, Head)):
+        raise TypeError(f"register({name!r}, {cls!r}): a head is a subclass of heads.Head")
+    if name in HEADS and HEADS[name] is not cls:
+        raise ValueError(f"head {name!r} is registered already ({HEADS[name].__name__}); pick another name")
+    HEADS[name] = cls
+    return cls
+
+
+def head_class(name: str) -> type[Head]:
     """The class of head `name` (its declarations without building it)."""
     if name not in HEADS:
         raise ValueError(f"unknown head {name!r}; choose one of {tuple(HEADS)}")
-    h = HEADS[name]
-    return h.func if isinstance(h, functools.partial) else h
+    return HEADS[name]
 
 
 def make_head(cfg) -> nnx.Module:
-    head_class(cfg.head)
-    return HEADS[cfg.head](cfg)
+    return head_class(cfg.head)(cfg)

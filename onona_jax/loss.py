@@ -83,19 +83,6 @@ def _component(hs, tables, k):
     return h, tables[k if len(tables) > 1 else 0]
 
 
-def mixture_log_probs(hs, tables, log_weights, *, score=None):
-    """Full fp32 log-probabilities [N, V] of the mixture (evaluation and parity tests)."""
-    K, tables = _check(hs, tables, log_weights, score)
-    comps = []
-    for k in range(K):
-        h, T = _component(hs, tables, k)
-        z = jnp.einsum("nd,vd->nv", h, T.astype(h.dtype), preferred_element_type=F32)
-        comps.append(jax.nn.log_softmax(_score(z, score)[0], axis=-1))
-    if K == 1:
-        return comps[0]
-    return jax.nn.logsumexp(log_weights.astype(F32)[:, :, None] + jnp.stack(comps, axis=1), axis=1)
-
-
 def plain_log_probs(hs, tables, log_weights, targets, *, score=None):
     """log p(targets) [N] through whole [N, V] logits per component (autodiff reference)."""
     K, tables = _check(hs, tables, log_weights, score)
@@ -108,12 +95,6 @@ def plain_log_probs(hs, tables, log_weights, targets, *, score=None):
     if K == 1:
         return lps[0]
     return jax.nn.logsumexp(log_weights.astype(F32) + jnp.stack(lps, axis=1), axis=1)
-
-
-def plain_mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=None, layout=None):
-    """`mixture_nll` by plain autodiff (parity reference; token_tile and layout are ignored)."""
-    logp = plain_log_probs(hs, tables, log_weights, targets, score=score)
-    return -jnp.sum(weights.astype(F32) * logp), logp
 
 
 # ----------------------------------------------------------------------------- one shard

@@ -240,7 +240,7 @@ def test_standard_export_loads_in_transformers_and_matches(standard_run, tmp_pat
 
 
 def test_twin_export_serves_the_same_log_probs(twin_run, tmp_path):
-    from onona_jax.serve.torch_ref import TwinServing
+    from reference.torch_ref import TwinServing
 
     out = str(tmp_path / "twin")
     summary = export.export(twin_run, out, tokenizer=False)

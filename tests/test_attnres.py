@@ -16,10 +16,9 @@ from torch import nn
 from conftest import REPO
 from onona_jax import config, summary
 from onona_jax.aot.hlo import materialised_arrays
-from onona_jax.serve import convert
 from onona_jax import models as model
 from onona_jax.models.attnres import AttnResTrunk, _mix_list, attnres_mix, n_sources
-from onona_jax.serve.torch_ref import TwinTables
+from reference.torch_ref import TwinTables, hf_qwen3_config
 
 PAPER = os.path.join(REPO, "configs", "paper.py")
 T = 16
@@ -127,7 +126,7 @@ class TorchAttnRes(nn.Module):
         from transformers.models.qwen3.modeling_qwen3 import (
             Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding)
 
-        hf = convert.hf_qwen3_config(m)
+        hf = hf_qwen3_config(m)
         d, L = m.d_model, m.n_layers
         self.L, self.d, self.eps, self.uniform = L, d, m.norm_eps, uniform
         self.block_size = m.attnres.block_size

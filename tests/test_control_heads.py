@@ -18,6 +18,7 @@ from conftest import REPO
 from onona_jax import config, heads, summary
 from onona_jax import models as model
 from onona_jax import params as params_lib
+from reference import jax_math as ref
 
 V, D, K = 97, 16, 2  # pure-function tests
 TABLE_NAMES = ("A", "B", "embedding", "unembedding")
@@ -134,11 +135,11 @@ def _mos_tanh_logit_max(a):
 
 PURE = {
     # name: (input names, jax fn, torch fn)
-    "untied": (("h", "E"), heads.standard_log_probs, lambda h, W: torch.log_softmax(h @ W.T, dim=-1)),
-    "sigsoftmax": (("h", "E"), heads.sigsoftmax_log_probs, lambda h, E: torch_sigsoftmax(h @ E.T)),
-    "mos": (("h", "E", "W", "W_prior"), lambda *a: heads.mos_log_probs(*a, sig=False),
+    "untied": (("h", "E"), ref.standard_log_probs, lambda h, W: torch.log_softmax(h @ W.T, dim=-1)),
+    "sigsoftmax": (("h", "E"), ref.sigsoftmax_log_probs, lambda h, E: torch_sigsoftmax(h @ E.T)),
+    "mos": (("h", "E", "W", "W_prior"), lambda *a: ref.mos_log_probs(*a, sig=False),
             lambda *a: torch_mos(*a, sig=False)),
-    "moss": (("h", "E", "W", "W_prior"), lambda *a: heads.mos_log_probs(*a, sig=True),
+    "moss": (("h", "E", "W", "W_prior"), lambda *a: ref.mos_log_probs(*a, sig=True),
              lambda *a: torch_mos(*a, sig=True)),
     "input_gate_rows": (("A", "B", "w"), heads.input_gate_rows, torch_input_gate_rows),
 }
@@ -322,7 +323,7 @@ def test_sigsoftmax_matches_naive_float64_definition(scale):
     assert 2 < np.abs(z).max() < 30  # moderate: the naive form is accurate in float64
     unnorm = np.exp(z) * (1.0 / (1.0 + np.exp(-z)))  # exp(z)·σ(z), naively
     p = unnorm / unnorm.sum(-1, keepdims=True)
-    got = np.exp(np.asarray(heads.sigsoftmax_log_probs(h, E), np.float64))
+    got = np.exp(np.asarray(ref.sigsoftmax_log_probs(h, E), np.float64))
     np.testing.assert_allclose(got, p, rtol=0, atol=1e-6)
     np.testing.assert_allclose(got.sum(-1), 1.0, rtol=0, atol=1e-6)
     softmax = np.exp(z - z.max(-1, keepdims=True))
@@ -330,7 +331,7 @@ def test_sigsoftmax_matches_naive_float64_definition(scale):
     assert np.abs(p - softmax).max() > 1e-3  # sigsoftmax is not softmax here
     targets = np.arange(4) * 7
     np.testing.assert_allclose(
-        np.exp(np.asarray(heads.sigsoftmax_target_log_probs(h, E, targets), np.float64)),
+        np.exp(np.asarray(ref.sigsoftmax_target_log_probs(h, E, targets), np.float64)),
         p[np.arange(4), targets], rtol=0, atol=1e-6,
     )
 

@@ -22,6 +22,7 @@ from onona_jax import heads, sharding
 from onona_jax import loss_vocab as fused
 from onona_jax import train as trainer
 from onona_jax.data import pipeline
+from reference import jax_math as ref
 
 N_BATCH, N_SEQ, D, V = 8, 6, 32, 1000  # V = 1000 is divisible by neither 96 nor 128
 BF16_U = 2.0 ** -8  # bf16 unit roundoff: 8 significant bits (7 stored + 1 implicit)
@@ -55,7 +56,7 @@ def weighted(lp, wt):
 def twin_loss(kind, chunk=96):
     def f(h, A, B, w, x0, y, wt):
         if kind == "plain":
-            lp = heads.twin_target_log_probs(h, x0, A, B, w, y)
+            lp = ref.twin_target_log_probs(h, x0, A, B, w, y)
         else:
             lp = fused.target_log_probs(h, (A, B), y, heads.gate_logit(x0, w), chunk)
         return weighted(lp, wt)
@@ -65,7 +66,7 @@ def twin_loss(kind, chunk=96):
 def standard_loss(kind, chunk=96):
     def f(h, E, y, wt):
         if kind == "plain":
-            lp = heads.standard_target_log_probs(h, E, y)
+            lp = ref.standard_target_log_probs(h, E, y)
         else:
             lp = fused.target_log_probs(h, (E,), y, chunk=chunk)
         return weighted(lp, wt)
@@ -153,7 +154,7 @@ def test_fused_per_token_log_probs_equal_plain():
     x = make_inputs(seed=3)
     z = heads.gate_logit(x["x0"], x["w"])
     lp_f = fused.target_log_probs(x["h"], (x["A"], x["B"]), x["y"], z, chunk=96)
-    lp_p = heads.twin_target_log_probs(x["h"], x["x0"], x["A"], x["B"], x["w"], x["y"])
+    lp_p = ref.twin_target_log_probs(x["h"], x["x0"], x["A"], x["B"], x["w"], x["y"])
     assert lp_f.shape == x["y"].shape and lp_f.dtype == jnp.float32
     np.testing.assert_allclose(lp_f, lp_p, rtol=1e-5, atol=1e-5)
     via_heads = heads.table_target_log_probs(x["h"], (x["A"], x["B"]), x["y"], z, "fused_vocab", 96)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from onona_jax import heads
-from onona_jax.serve.torch_ref import TwinTables
+from reference import jax_math as ref
+from reference.torch_ref import TwinTables
 
 V, D = 97, 16
 
@@ -37,7 +38,7 @@ def _jax_twin(arrays, weights):
     names = ("h", "x0", "A", "B", "w")
 
     def loss(*args):
-        lp = heads.twin_log_probs(*args)
+        lp = ref.twin_log_probs(*args)
         return jnp.sum(lp * weights), lp
 
     grads, lp = jax.grad(loss, argnums=range(5), has_aux=True)(*(arrays[n] for n in names))
@@ -83,8 +84,8 @@ def test_gate_logit_matches_torch_rms_norm_eps(scale):
 @pytest.mark.parametrize("gate_scale", [0.0, 0.1, 1.0, 10.0, 1e3, 1e6])
 def test_containment_twin_with_equal_tables_is_standard(gate_scale):
     a = _inputs(3, gate_scale)
-    twin = heads.twin_log_probs(a["h"], a["x0"], a["A"], a["A"], a["w"])
-    np.testing.assert_allclose(twin, heads.standard_log_probs(a["h"], a["A"]), rtol=0, atol=1e-6)
+    twin = ref.twin_log_probs(a["h"], a["x0"], a["A"], a["A"], a["w"])
+    np.testing.assert_allclose(twin, ref.standard_log_probs(a["h"], a["A"]), rtol=0, atol=1e-6)
 
 
 def test_target_log_probs_gather_full_log_probs():
@@ -92,13 +93,13 @@ def test_target_log_probs_gather_full_log_probs():
     targets = np.random.default_rng(5).integers(0, V, (2, 5))
     gather = lambda lp: np.take_along_axis(np.asarray(lp), targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(
-        heads.standard_target_log_probs(a["h"], a["A"], targets),
-        gather(heads.standard_log_probs(a["h"], a["A"])),
+        ref.standard_target_log_probs(a["h"], a["A"], targets),
+        gather(ref.standard_log_probs(a["h"], a["A"])),
         rtol=0, atol=1e-5,
     )
     np.testing.assert_allclose(
-        heads.twin_target_log_probs(a["h"], a["x0"], a["A"], a["B"], a["w"], targets),
-        gather(heads.twin_log_probs(a["h"], a["x0"], a["A"], a["B"], a["w"])),
+        ref.twin_target_log_probs(a["h"], a["x0"], a["A"], a["B"], a["w"], targets),
+        gather(ref.twin_log_probs(a["h"], a["x0"], a["A"], a["B"], a["w"])),
         rtol=0, atol=1e-5,
     )
 
@@ -111,7 +112,7 @@ def test_appendix_a_rank_construction():
     x0, w = np.ones((3, 1), np.float32), np.zeros((1,), np.float32)
     assert np.all(np.asarray(heads.gate_logit(x0, w)) == 0)
 
-    L = np.asarray(heads.twin_log_probs(H, x0, A, B, w), np.float64)
+    L = np.asarray(ref.twin_log_probs(H, x0, A, B, w), np.float64)
     P_paper = np.array([[10, 13, 19], [14, 14, 14], [19, 13, 10]]) / 42
     np.testing.assert_allclose(np.exp(L), P_paper, rtol=0, atol=1e-6)
 
@@ -119,4 +120,4 @@ def test_appendix_a_rank_construction():
     assert np.linalg.svd(L, compute_uv=False).min() > 100 * tol
     assert np.linalg.matrix_rank(L, tol=tol) == 3
     for table in (A, B):  # one softmax: rank ≤ d + 1 = 2
-        assert np.linalg.matrix_rank(np.asarray(heads.standard_log_probs(H, table)), tol=tol) <= 2
+        assert np.linalg.matrix_rank(np.asarray(ref.standard_log_probs(H, table)), tol=tol) <= 2

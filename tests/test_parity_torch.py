@@ -1,5 +1,6 @@
-"""The JAX model against PyTorch: HF Qwen3ForCausalLM (standard) and torch_ref.TwinQwen3
-(twin), both loaded with our weights through `convert`; and the converter's round trip."""
+"""The JAX model against PyTorch: HF Qwen3ForCausalLM (standard) and the reference
+`torch_ref.TwinQwen3` (twin), both loaded with our weights through the one HF format
+(`serve.hf_format`); and its round trip."""
 
 import os
 
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 from onona_jax import config
-from onona_jax.serve import convert
+from onona_jax.serve import hf_format
 from onona_jax import models as model
 from onona_jax.config import ffn_width
-from onona_jax.serve.torch_ref import TwinQwen3
+from reference.torch_ref import TwinQwen3, hf_qwen3_config, state_dict_from_jax
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = os.path.join(REPO, "configs", "paper.py")
@@ -48,7 +49,7 @@ def _tokens(m, T, seed=0):
 
 
 def _torch_sd(params, m):
-    return {k: torch.from_numpy(v) for k, v in convert.to_hf_state_dict(params, m).items()}
+    return state_dict_from_jax(params, m)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -61,7 +62,7 @@ def test_standard_matches_hf_qwen3(shape):
     tokens = _tokens(m, T)
     ours = np.asarray(model.bind(graphdef, params)(tokens))
 
-    hf = Qwen3ForCausalLM(convert.hf_qwen3_config(m)).eval()
+    hf = Qwen3ForCausalLM(hf_qwen3_config(m)).eval()
     missing, unexpected = hf.load_state_dict(_torch_sd(params, m), strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied: lm_head is embed_tokens
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
@@ -93,24 +94,25 @@ def _assert_trees_equal(a, b):
 def test_converter_round_trip_is_exact(head, scan):
     m = _cfg(head, scan_layers=scan)
     _, params = _params(m)
-    sd = convert.to_hf_state_dict(params, m)
-    assert ("model.embed_tokens.weight" in sd) == (head == "standard")
-    assert "lm_head.weight" not in sd
-    _assert_trees_equal(convert.from_hf_state_dict(sd, m), params)
+    sd = hf_format.to_hf(params, m)
+    # the body's input table is stored for both (twin: the folded M), never an lm_head
+    assert "model.embed_tokens.weight" in sd and "lm_head.weight" not in sd
+    assert ("head.log_weights" in sd) == (head == "twin")  # the twin's gate lookup, derived
+    _assert_trees_equal(hf_format.from_hf(sd, m), params)
     # torch tensors in, too; and the other layout: layer i of the stack is layer i.
     other = _cfg(head, scan_layers=not scan)
-    flipped = convert.from_hf_state_dict({k: torch.from_numpy(v) for k, v in sd.items()}, other)
-    _assert_trees_equal(convert.to_hf_state_dict(flipped, other), sd)
+    flipped = hf_format.from_hf({k: torch.from_numpy(v) for k, v in sd.items()}, other)
+    back = hf_format.to_hf(flipped, other)
+    assert sorted(back) == sorted(sd) and all(np.array_equal(back[k], sd[k]) for k in sd)
 
 
 def test_converter_names_bad_keys_and_shapes():
     m = _cfg("twin")
-    sd = convert.to_hf_state_dict(_params(m)[1], m)
-    broken = {k: v for k, v in sd.items() if k != "twin.B"} | {"lm_head.weight": sd["twin.A"]}
-    with pytest.raises(ValueError, match=r"missing \['twin.B'\].*unexpected \['lm_head.weight'\]"):
-        convert.from_hf_state_dict(broken, m)
+    sd = hf_format.to_hf(_params(m)[1], m)
+    with pytest.raises(ValueError, match=r"checkpoint lacks 'twin.B', which a dense-twin model needs"):
+        hf_format.from_hf({k: v for k, v in sd.items() if k != "twin.B"}, m)
     with pytest.raises(ValueError, match=r"twin.gate.weight: \(64,\) != \(1, 64\)"):
-        convert.from_hf_state_dict({**sd, "twin.gate.weight": sd["twin.gate.weight"][0]}, m)
+        hf_format.from_hf({**sd, "twin.gate.weight": sd["twin.gate.weight"][0]}, m)
 
 
 def test_splash_attention_model_matches_hf_qwen3():
@@ -124,7 +126,7 @@ def test_splash_attention_model_matches_hf_qwen3():
     graphdef, params = _params(m)
     tokens = _tokens(m, T)
     ours = np.asarray(model.bind(graphdef, params)(tokens))
-    hf = Qwen3ForCausalLM(convert.hf_qwen3_config(m)).eval()
+    hf = Qwen3ForCausalLM(hf_qwen3_config(m)).eval()
     hf.load_state_dict(_torch_sd(params, m), strict=False)
     with torch.no_grad():
         theirs = torch.log_softmax(hf(torch.from_numpy(tokens)).logits.float(), -1).numpy()

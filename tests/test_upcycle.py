@@ -49,7 +49,7 @@ def test_upcycling_refuses_a_twin_source(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("head", ["standard", "untied", "mos", "sigsoftmax"])
 def test_upcycling_into_a_head_without_A_and_B_is_refused(tiny_data, head):
-    """Only the heads that declare `upcycles` (A and B to fill with E) take init_from; the
+    """Only the heads whose `Head.upcycle` fills their tables from E take init_from; the
     check comes before anything is read (the source here does not even exist)."""
     run = trainer.setup(tiny_config(tiny_data, head=head))
     with pytest.raises(ValueError, match=f"head '{head}' has no A and B to fill .*twin"):

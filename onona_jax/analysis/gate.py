@@ -17,9 +17,10 @@ rows of the tables are left out):
   punctuation, word-initial, continuation, other);
 * a histogram.
 
-Writes OUTPUT_DIR/gate_step_<N>.{json,md,png} and prints the Markdown. Heads with a gate:
-twin (the gate reads M[x]), input_gate (M[x]), twin_output_only (A[x]); any other head is an
-error. Definitions of every statistic are in the functions below (pure numpy, testable).
+Writes OUTPUT_DIR/gate_step_<N>.{json,md,png} and prints the Markdown. The heads with a gate
+declare it (`Head.gate_reads`, `gate_probs`): twin (the gate reads M[x]), input_gate (M[x]),
+twin_output_only (A[x]); a head without one is an error, and so is a gate over more than two
+tables. Definitions of every statistic are in the functions below (pure numpy, testable).
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
 
 QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
-# The heads with a gate and the rows it reads (symbol, definition): declared by the heads.
-GATED_HEADS = {n: heads.head_class(n).gate_reads for n in heads.HEADS if heads.head_class(n).gated}
+
+
+def gated_heads() -> dict:
+    """The registered heads with a gate and the rows it reads (symbol, definition), as the
+    heads declare them (`Head.gate_reads`)."""
+    return {n: c.gate_reads for n, c in heads.HEADS.items() if c.gate_reads is not None}
 
 CLASSES = {  # name -> definition; `classify` applies them in this order, the first match wins
     "special": "the end-of-text token <|endoftext|> (50256)",
@@ -58,27 +63,31 @@ CLASSES = {  # name -> definition; `classify` applies them in this order, the fi
 # ----------------------------------------------------------------------------- pure functions
 
 
-def gate_rows(params, head: str) -> np.ndarray:
-    """The rows the gate reads for every table row, fp32 [V, d] (`Head.gate_table_of`:
-    M = (A+B)/2, bitwise as the model computes it, or A for twin_output_only)."""
-    if head not in GATED_HEADS:
-        raise ValueError(
-            f"gate analysis needs a gated head ({', '.join(GATED_HEADS)}); this run has head {head!r}, "
-            "which has no gate"
-        )
-    tables = {k: np.asarray(v, np.float32) for k, v in params["head"].items() if k in ("A", "B")}
-    return np.asarray(heads.head_class(head).gate_table_of(tables), np.float32)
+def _refuse_ungated(head: str, where: str) -> None:
+    if head not in gated_heads():
+        raise ValueError(f"gate analysis needs a gated head ({', '.join(gated_heads())}); {where} has head "
+                         f"{head!r}, which has no gate")
 
 
-def gate_values(rows: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """g = σ(wᵀ rmsnorm(rows)) per row, fp32, with the model's own `heads.gate_logit` (full
-    fp32 matmul precision on every backend)."""
+def gate_of(params, cfg_model) -> np.ndarray:
+    """g [V]: the gate of every input token as the head computes it (`gate_probs`, the weight
+    of its first table), fp32 at full matmul precision. A gate over K ≠ 2 tables ([V, K]) is
+    an error: this report reads a two-way gate (g and 1 − g)."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
+    from onona_jax import params as params_lib
+
+    _refuse_ungated(cfg_model.head, "this run")
+    graphdef, _ = params_lib.abstract_state(lambda: heads.make_head(cfg_model))
     with jax.default_matmul_precision("highest"):
-        z = heads.gate_logit(jnp.asarray(rows, jnp.float32), jnp.asarray(w, jnp.float32))
-        return np.asarray(jax.nn.sigmoid(z), np.float32)
+        head = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params["head"]))
+        g = np.asarray(head.gate_probs(jnp.arange(int(cfg_model.vocab_size))), np.float32)
+    if g.ndim != 1:
+        raise ValueError(f"gate analysis reads a gate over two tables (g, 1 − g); head {cfg_model.head!r} "
+                         f"mixes {g.shape[-1]}")
+    return g
 
 
 def weighted_quantile(x: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -253,24 +262,19 @@ def analyze(workdir: str, step: int | None = None, data_dir: str | None = None, 
 
     cfg = saved_config(workdir, step)
     head = cfg.model.head
-    if head not in GATED_HEADS:
-        raise ValueError(
-            f"gate analysis needs a gated head ({', '.join(GATED_HEADS)}); {workdir} has head "
-            f"{head!r}, which has no gate"
-        )
+    _refuse_ungated(head, workdir)
     if split not in ("train", "heldout"):
         raise ValueError(f"split {split!r}: train or heldout")
     params, step, cfg, _ = restore_params(workdir, step, mesh)
     n = min(TOKENIZER_VOCAB, int(cfg.model.vocab_size))
-    rows = gate_rows(params, head)[:n]
-    g = gate_values(rows, np.asarray(params["head"]["gate"], np.float32))
+    g = gate_of(params, cfg.model)[:n]
 
     data_dir = data_dir or evaluation.data_dir(cfg, workdir)
     counts, counted = count_tokens(data_dir, split, n, max_tokens)
     report = dict(
         workdir=paths.absolute(workdir), step=int(step), config=cfg.name, head=head,
-        gate_reads=GATED_HEADS[head][0],
-        gate=f"g_v = σ(wᵀ rmsnorm({GATED_HEADS[head][0]}_v)), {GATED_HEADS[head][1]}; "
+        gate_reads=gated_heads()[head][0],
+        gate=f"g_v = σ(wᵀ rmsnorm({gated_heads()[head][0]}_v)), {gated_heads()[head][1]}; "
              "g → 1 leans to softmax(Ah), g → 0 to softmax(Bh)",
         vocab_tokens=n, table_rows=int(cfg.model.vocab_size),
         occurrence_source=dict(data_dir=paths.absolute(data_dir), split=split, tokens=int(counted),

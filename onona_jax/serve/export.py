@@ -2,16 +2,17 @@
 
     python -m onona_jax.serve.export --workdir=DIR --output=OUT [--step=N] [--notokenizer] [--overwrite] [--mesh=-1,1,1]
 
-Every family (dense, moe, gdn, attnres) with every head (`serve/hf_format.py`):
+Every family (dense, moe, gdn, attnres) with every registered head (`serve/hf_format.py`):
 
 * Dense **standard** / **untied** -> a plain `Qwen3ForCausalLM` folder, MoE **standard** /
   **untied** -> a plain `Qwen3MoeForCausalLM` folder (standard: tied embeddings, the table
   stored once as `model.embed_tokens.weight`);
 * everything else (the twin head and the controls, GDN hybrid, AttnRes) -> `OnonaForCausalLM`: `config.json`
   (model_type "onona", `auto_map` to `configuration_onona.py` and `modeling_onona.py`, which
-  are copied into OUT and need transformers alone), the body under Qwen3 names, and for the
-  twin head the folded tensors (M = (A+B)/2 as `model.embed_tokens.weight`, A, B, the gate's w
-  and its lookup z = wᵀ rmsnorm(M_v) as `twin.gate_logit`).
+  are copied into OUT and need transformers alone), the body under Qwen3 names, the head's
+  parameters and its fold (`Head.fold`; twin: M = (A+B)/2 as `model.embed_tokens.weight`, A,
+  B, the gate's w, and its lookup logσ(±z), z = wᵀ rmsnorm(M_v), as `head.log_weights`),
+  described in config.json so the modeling file serves any number of tables.
 
 Each folder also has `model.safetensors` (fp32), `generation_config.json`
 (<|endoftext|> = 50256 as bos/eos/pad), the GPT-2 tokenizer (`tokenizer.json`, built offline

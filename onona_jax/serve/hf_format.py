@@ -2,29 +2,36 @@
 
 Names (all families share the body's; `model.layers.<i>.` prefixes the per-layer ones):
 
-    model.embed_tokens.weight            [V, d]  standard, sigsoftmax: E (tied, no lm_head.weight);
-                                                 untied: E, with W as lm_head.weight;
-                                                 twin: M = (A+B)/2, the table the body reads
+    model.embed_tokens.weight            [V, d]  the table the body reads (see the head's below)
     model.norm.weight                    [d]
     input_layernorm.weight, post_attention_layernorm.weight            the two pre-norms
     self_attn.{q,k,v,o}_proj.weight, self_attn.{q,k}_norm.weight       attention (Qwen3)
-    linear_attn.*                        Gated DeltaNet (Qwen3-Next, `convert.gdn_to_hf`)
+    linear_attn.*                        Gated DeltaNet (Qwen3-Next, `gdn_to_hf`)
     mlp.{gate,up,down}_proj.weight       SwiGLU (Qwen3)
     mlp.gate.weight [E, d], mlp.experts.gate_up_proj [E, 2f, d] (gate rows first),
     mlp.experts.down_proj [E, d, f]      MoE (Qwen3-MoE, fused experts)
     attnres.{attn,mlp}_query [d], attnres.{attn,mlp}_key_norm.weight [d],
     model.final_attnres.query, model.final_attnres.key_norm.weight     Attention Residuals
-    twin.A, twin.B [V, d], twin.gate.weight [1, d]   the two-table heads' tables and gate w
-    twin.gate_logit [V]                  z_v = wᵀ rmsnorm(M_v), the gate lookup
-    lm_head.weight, mos.proj, mos.prior  the controls' output tables (see `head_to_hf`)
+    the head's parameters             each under `hf_name`: embedding -> model.embed_tokens.weight,
+                                      unembedding -> lm_head.weight, A, B -> twin.A, twin.B,
+                                      gate [d] -> twin.gate.weight [1, d] (the paper's Linear),
+                                      mos_proj, mos_prior -> mos.proj, mos.prior, any other
+                                      (a head added later) -> head.<name>
+    the head's fold (`Head.fold`)     model.embed_tokens.weight = the input table the body reads
+                                      (M = (A+B)/2 for twin); each of the K output tables is a
+                                      stored tensor equal to it (head.outputs.<k> if derived);
+                                      head.log_weights [V, K] the gate lookup, log mixture
+                                      weights by input token (twin: logσ(z), logσ(−z))
 
-M, z (and input_gate's gated rows) are derived (folded once at export, as serving does);
-importing reads A, B and w, so JAX → HF → JAX is bit-exact. Every map is a transpose or reshape.
+The fold's tensors are derived (once at export, as serving folds); importing reads the
+parameters, so JAX → HF → JAX is bit-exact. Every map is a transpose or reshape. config.json
+describes the head for the standalone modeling file (`head_to_hf`), so it serves a head with
+any number of tables without knowing its name.
 
-Which class a folder loads as (`export_kind`): Dense + standard/untied -> `Qwen3ForCausalLM`,
-MoE + standard/untied -> `Qwen3MoeForCausalLM`, everything else in FAMILIES × HEADS ->
-`OnonaForCausalLM` from `serve/hf/modeling_onona.py`, copied into the folder (auto_map,
-trust_remote_code=True).
+Which class a folder loads as (`export_kind`): Dense or MoE with a plain softmax head whose
+parameters are `embedding` (tied) or `embedding` and `unembedding` -> `Qwen3ForCausalLM` /
+`Qwen3MoeForCausalLM`; everything else in FAMILIES × registered heads -> `OnonaForCausalLM`
+from `serve/hf/modeling_onona.py`, copied into the folder (auto_map, trust_remote_code=True).
 """
 
 from __future__ import annotations
@@ -33,18 +40,22 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from onona_jax import cli, paths, staging
-from onona_jax.serve import convert
+from onona_jax import cli, heads, paths, staging
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
-HEADS = ("standard", "twin", "untied", "sigsoftmax", "mos", "moss", "input_gate", "twin_input_only",
-         "twin_output_only")
-SUPPORTED = (f"families {', '.join(FAMILIES)} with any head ({', '.join(HEADS)}); dense and moe with "
-             "standard or untied as Qwen3ForCausalLM / Qwen3MoeForCausalLM, the rest as OnonaForCausalLM")
+HEADS = tuple(heads.HEADS)  # the package's own heads (a test grid); export takes any registered head
+SUPPORTED = (f"families {', '.join(FAMILIES)} with any head registered in heads.HEADS ({', '.join(HEADS)}, ...); "
+             "dense and moe with standard or untied as Qwen3ForCausalLM / Qwen3MoeForCausalLM, the rest as "
+             "OnonaForCausalLM")
+# The HF names of head parameters (transformers' own where there is one); others: head.<name>.
+HEAD_NAMES = {"embedding": "model.embed_tokens.weight", "unembedding": "lm_head.weight", "A": "twin.A",
+              "B": "twin.B", "gate": "twin.gate.weight", "mos_proj": "mos.proj", "mos_prior": "mos.prior"}
+INPUT = "model.embed_tokens.weight"  # the table the body reads
+LOG_WEIGHTS = "head.log_weights"  # the gate lookup [V, K]
 HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
 CODE_FILES = ("configuration_onona.py", "modeling_onona.py")
 AUTO_MAP = {"AutoConfig": "configuration_onona.OnonaConfig",
@@ -61,18 +72,70 @@ AGAIN = "export or download the folder again"  # the fix for a damaged folder
 
 
 def check_supported(m) -> None:
-    if m.arch not in FAMILIES or m.head not in HEADS:
+    if m.arch not in FAMILIES or m.head not in heads.HEADS:
         raise ValueError(f"cannot export a model with arch={m.arch!r}, head={m.head!r}; export supports {SUPPORTED}")
 
 
 def export_kind(m) -> str:
     check_supported(m)
-    if m.head in ("standard", "untied") and m.arch in ("dense", "moe"):
+    cls = heads.head_class(m.head)
+    plain = (cls.foldable() and cls.score is None and cls.gate_reads is None
+             and set(head_names(m)) in ({"embedding"}, {"embedding", "unembedding"}))
+    if plain and m.arch in ("dense", "moe"):
         return {"dense": "qwen3", "moe": "qwen3_moe"}[m.arch]
     return "onona"
 
 
 # ----------------------------------------------------------------------------- per-layer trees
+
+
+class _Entry(NamedTuple):
+    path: tuple[str, ...]  # inside our tree (below `trunk/layers/<i>` for layer entries)
+    name: str  # HF name (after `model.layers.{i}.` for layer entries)
+    shape: tuple[int, ...]  # ours, without the stacked layer axis
+    hf_shape: tuple[int, ...]
+    transpose: bool  # torch Linear: flatten ours to [in, out], then transpose
+
+
+def _layer_entries(m) -> list[_Entry]:
+    d, n, k, hd, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
+    return [
+        _Entry(("attn_norm", "weight"), "input_layernorm.weight", (d,), (d,), False),
+        _Entry(("attn", "q"), "self_attn.q_proj.weight", (d, n, hd), (n * hd, d), True),
+        _Entry(("attn", "k"), "self_attn.k_proj.weight", (d, k, hd), (k * hd, d), True),
+        _Entry(("attn", "v"), "self_attn.v_proj.weight", (d, k, hd), (k * hd, d), True),
+        _Entry(("attn", "o"), "self_attn.o_proj.weight", (n, hd, d), (d, n * hd), True),
+        _Entry(("attn", "q_norm", "weight"), "self_attn.q_norm.weight", (hd,), (hd,), False),
+        _Entry(("attn", "k_norm", "weight"), "self_attn.k_norm.weight", (hd,), (hd,), False),
+        _Entry(("mlp_norm", "weight"), "post_attention_layernorm.weight", (d,), (d,), False),
+        _Entry(("mlp", "gate"), "mlp.gate_proj.weight", (d, f), (f, d), True),
+        _Entry(("mlp", "up"), "mlp.up_proj.weight", (d, f), (f, d), True),
+        _Entry(("mlp", "down"), "mlp.down_proj.weight", (f, d), (d, f), True),
+    ]
+
+
+def _to_hf(x: np.ndarray, e: _Entry) -> np.ndarray:
+    if e.transpose:
+        return np.ascontiguousarray(x.reshape(e.hf_shape[::-1]).T)
+    return x.reshape(e.hf_shape)
+
+
+def _from_hf(y: np.ndarray, e: _Entry) -> np.ndarray:
+    return np.ascontiguousarray((y.T if e.transpose else y).reshape(e.shape))
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor; .float() also covers bf16, which numpy lacks
+        x = x.detach().float().cpu().numpy()
+    return np.array(x, dtype=np.float32)  # a writable copy, never a view of a jax buffer
+
+
+def _set(tree: dict, path: tuple, value: Any) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
 
 
 def _pattern(m) -> list[str]:
@@ -86,7 +149,7 @@ def _layers(params, m) -> list[dict]:
     import jax
 
     trunk, L, P = params["trunk"]["layers"], m.n_layers, len(_pattern(m))
-    np_tree = lambda t: jax.tree.map(convert._numpy, t)  # noqa: E731
+    np_tree = lambda t: jax.tree.map(_numpy, t)  # noqa: E731
     if not m.scan_layers:
         return [np_tree(trunk[i]) for i in range(L)]
     if P == 1:
@@ -119,12 +182,51 @@ def _flat(tree, prefix=()) -> dict[tuple, Any]:
 
 
 def _attn_mlp_entries(m):
-    """convert's Dense entries by our path: attention, norms and SwiGLU."""
-    return {e.path: e for e in convert._layer_entries(m)}
+    """The Dense layer entries by our path: attention, norms and SwiGLU."""
+    return {e.path: e for e in _layer_entries(m)}
+
+
+def gdn_to_hf(layer_params: Mapping, cfg_model) -> dict[str, np.ndarray]:
+    """One of our `gdn.GatedDeltaNet` layers (its unstacked params: q, k, v, gate, a, b,
+    A_log, dt_bias, conv_q, conv_k, conv_v, norm, o) -> the state dict of HF transformers'
+    `Qwen3NextGatedDeltaNet` (names relative to the module) with
+    linear_num_key_heads = linear_num_value_heads = H (ours has no grouped value heads).
+
+    Layout differences, all resolved here:
+      * `in_proj_qkvz` [H·(2dk+2dv), d] fuses q, k, v and the output gate z, grouped per key
+        head: rows of head h are [q_h | k_h | v_h | z_h] (HF's `fix_query_key_value_ordering`).
+      * `in_proj_ba` [2H, d] fuses b and a, per head [b_h | a_h] (b first).
+      * `conv1d.weight` [2H·dk + H·dv, 1, K]: one depthwise conv over the concatenated
+        channels [q (H·dk) | k (H·dk) | v (H·dv)], each head-major; tap K−1 weighs the
+        current step in both (torch conv1d, left padding K−1).
+      * `out_proj.weight` [d, H·dv]; `norm.weight` [dv] (Qwen3NextRMSNormGated: a plain
+        weight, not 1 + weight); `A_log`, `dt_bias` [H] unchanged.
+    Numerics that match without conversion: L2 norm x·rsqrt(Σx²+1e-6) in fp32, q scaled by
+    dk^-½, g = −exp(A_log)·softplus(a + dt_bias), β = σ(b), gated norm eps = rms_norm_eps
+    (set it to our norm_eps), SiLU on the conv output."""
+    G = cfg_model.gdn
+    H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
+    p = {name: _numpy(x) for name, x in layer_params.items()}
+    d = p["q"].shape[0]
+    per_head = np.concatenate([p["q"], p["k"], p["v"], p["gate"]], axis=-1)  # [d, H, 2dk+2dv]
+    ba = np.stack([p["b"], p["a"]], axis=-1)  # [d, H, 2]
+    conv = np.concatenate(
+        [p[f"conv_{n}"].reshape(p[f"conv_{n}"].shape[0], -1) for n in ("q", "k", "v")], axis=1
+    )  # [K, 2H·dk + H·dv]
+    out = {
+        "in_proj_qkvz.weight": per_head.reshape(d, H * (2 * dk + 2 * dv)).T,
+        "in_proj_ba.weight": ba.reshape(d, 2 * H).T,
+        "conv1d.weight": conv.T[:, None, :],
+        "dt_bias": p["dt_bias"],
+        "A_log": p["A_log"],
+        "norm.weight": p["norm"],
+        "out_proj.weight": p["o"].reshape(H * dv, d).T,
+    }
+    return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}
 
 
 def gdn_from_hf(sd: Mapping[str, np.ndarray], cfg_model) -> dict[str, np.ndarray]:
-    """The inverse of `convert.gdn_to_hf`: a Qwen3NextGatedDeltaNet state dict (names relative
+    """The inverse of `gdn_to_hf`: a Qwen3NextGatedDeltaNet state dict (names relative
     to the module) -> our GDN layer's parameters (unstacked)."""
     G = cfg_model.gdn
     H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
@@ -152,13 +254,13 @@ def _layer_to_hf(layer: dict, m) -> dict[str, np.ndarray]:
     for path, x in _flat(layer).items():
         if path in entries:
             e = entries[path]
-            out[e.name] = convert._to_hf(x, e)
+            out[e.name] = _to_hf(x, e)
         elif path[0] in ("gdn", "moe"):
             continue  # whole sub-trees below
         else:  # attnres queries and key norms: our path, dotted
             out[".".join(path)] = x
     if "gdn" in layer:
-        out.update({f"linear_attn.{k}": v for k, v in convert.gdn_to_hf(layer["gdn"], m).items()})
+        out.update({f"linear_attn.{k}": v for k, v in gdn_to_hf(layer["gdn"], m).items()})
     if "moe" in layer:
         e = layer["moe"]
         out["mlp.gate.weight"] = e["router"].T  # [E, d]
@@ -177,7 +279,7 @@ def _layer_from_hf(sd: Mapping[str, np.ndarray], kind: str, m) -> dict:
             continue
         if path[0] == "mlp" and m.arch == "moe":
             continue
-        flat[path] = convert._from_hf(sd[e.name], e)
+        flat[path] = _from_hf(sd[e.name], e)
     if kind == "gdn":
         flat.update({("gdn", k): v for k, v in
                      gdn_from_hf({k[len("linear_attn."):]: v for k, v in sd.items() if k.startswith("linear_attn.")},
@@ -201,78 +303,118 @@ def _layer_from_hf(sd: Mapping[str, np.ndarray], kind: str, m) -> dict:
             flat[("attnres", name, "weight")] = sd[f"attnres.{name}.weight"]
     tree: dict = {}
     for path, x in flat.items():
-        convert._set(tree, path, np.ascontiguousarray(x, dtype=np.float32))
+        _set(tree, path, np.ascontiguousarray(x, dtype=np.float32))
     return tree
 
 
 # ----------------------------------------------------------------------------- whole state dicts
 
 
-def head_to_hf(head: dict, m) -> dict[str, np.ndarray]:
-    """Our head's parameters -> its HF tensors, folded for serving as `OnonaForCausalLM`
-    reads them (see modeling_onona.py): the input table the body reads is
-    `model.embed_tokens.weight`, the gate a lookup over input tokens."""
+def head_names(m) -> dict[str, tuple[int, ...]]:
+    """The head's parameters by name and shape, as the head declares them (abstractly)."""
+    from flax import nnx
+
+    from onona_jax import params as params_lib
+
+    _, state = params_lib.abstract_state(lambda: heads.make_head(m))
+    return {k: tuple(v.shape) for k, v in nnx.to_pure_dict(state).items()}
+
+
+def hf_name(param: str, shape) -> str:
+    """The HF name of a head parameter (`HEAD_NAMES`, else `head.<name>`)."""
+    if param == "gate" and len(shape) != 1:  # twin.gate.weight is the paper's nn.Linear(d, 1)
+        return f"head.{param}"
+    return HEAD_NAMES.get(param, f"head.{param}")
+
+
+def _fold(head: dict, m):
+    """The head's `Fold` (numpy, fp32 at full matmul precision), or None (not foldable)."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
-    from onona_jax import heads
+    from onona_jax import params as params_lib
 
-    if "embedding" in head:  # standard, untied, sigsoftmax, mos, moss: E is the input table
-        out = {"model.embed_tokens.weight": head["embedding"]}
-        if m.head == "untied":
-            out["lm_head.weight"] = head["unembedding"]
-        if m.head in ("mos", "moss"):
-            out.update({"mos.proj": head["mos_proj"], "mos.prior": head["mos_prior"]})
-        return out
-    A, B = head["A"], head["B"]
-    out = {"twin.A": A, "twin.B": B}
-    M = (A + B) * np.float32(0.5)  # bitwise TwinHead.merged()
-    if "gate" in head:
-        w = head["gate"]
-        out["twin.gate.weight"] = w[None, :]
-        with jax.default_matmul_precision("highest"):
-            z = np.asarray(heads.gate_logit(jnp.asarray(A if m.head == "twin_output_only" else M), jnp.asarray(w)))
-            if m.head == "input_gate":  # g·A[x] + (1−g)·B[x] for every x, as the JAX head forms it
-                out["model.embed_tokens.weight"] = np.asarray(heads.input_gate_rows(jnp.asarray(A), jnp.asarray(B),
-                                                                                    jnp.asarray(w)))
-        out["twin.gate_logit"] = z
-    out.setdefault("model.embed_tokens.weight", A if m.head == "twin_output_only" else M)
-    if m.head == "input_gate":
-        out["lm_head.weight"] = M
-    elif m.head == "twin_input_only":
-        out["lm_head.weight"] = A
-    return out
+    cls = heads.head_class(m.head)
+    if not cls.foldable():
+        return None
+    graphdef, _ = params_lib.abstract_state(lambda: heads.make_head(m))
+    with jax.default_matmul_precision("highest"):
+        f = nnx.merge(graphdef, jax.tree.map(jnp.asarray, head)).fold()
+        arrays = jax.tree.map(lambda x: np.asarray(x, np.float32), f._replace(score=None))
+        return arrays._replace(score=f.score)
+
+
+def head_to_hf(head: dict, m) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, description) of our head for `OnonaForCausalLM` (see modeling_onona.py).
+
+    Tensors: every parameter under its `hf_name` (import reads these back), and the head's
+    `Fold` as serving reads it: the input table the body reads is `model.embed_tokens.weight`,
+    each of the K output tables is a stored tensor equal to it (a parameter, or
+    `head.outputs.<k>` when it is derived), the gate lookup `head.log_weights` [V, K].
+    Description (config.json): `head_rule` ("mixture", or "mos" for a head without a fold),
+    `head_outputs` (the K tensors' names), `head_log_weights` (its name or ""), `head_score`
+    (the mixture rule's score transform or "") and `head_tensors` (name -> shape of every
+    head tensor beside the input table, which the model builds before loading)."""
+    out = {hf_name(k, v.shape): (v[None, :] if hf_name(k, v.shape) == HEAD_NAMES["gate"] else v)
+           for k, v in head.items()}
+    fold = _fold(head, m)
+    desc = dict(head_rule="mixture", head_outputs=[], head_log_weights="",
+                head_score=heads.head_class(m.head).score or "")
+    if fold is None:
+        if set(head) - {"embedding", "mos_proj", "mos_prior"}:
+            raise ValueError(f"head {m.head!r} has no fold (`Head.fold`) and is not a mixture of softmaxes; "
+                             "export needs one or the other")
+        desc["head_rule"] = "mos"
+    else:
+        if INPUT in out and not np.array_equal(out[INPUT], fold.input):
+            raise ValueError(f"head {m.head!r}: its parameter stored as {INPUT} is not the input table its fold gives")
+        out[INPUT] = fold.input
+        for k, table in enumerate(fold.outputs):
+            same = [n for n, x in out.items() if x.shape == table.shape and np.array_equal(x, table)]
+            name = same[0] if same else f"head.outputs.{k}"
+            out.setdefault(name, table)
+            desc["head_outputs"].append(name)
+        if fold.log_weights is not None:
+            out[LOG_WEIGHTS] = fold.log_weights
+            desc["head_log_weights"] = LOG_WEIGHTS
+        desc["head_score"] = fold.score or ""
+    desc["head_tensors"] = {n: list(x.shape) for n, x in out.items() if n != INPUT}
+    return out, desc
 
 
 def head_from_hf(sd: Mapping[str, np.ndarray], m) -> dict:
     """The inverse of `head_to_hf`: our head's parameters from the stored ones (never the
-    folded M, z or gated rows, which are derived)."""
-    if m.head in ("twin", "twin_output_only", "input_gate", "twin_input_only"):
-        head = {"A": sd["twin.A"], "B": sd["twin.B"]}
-        if m.head != "twin_input_only":
-            head["gate"] = sd["twin.gate.weight"].reshape(-1)
-        return head
-    head = {"embedding": sd["model.embed_tokens.weight"]}
-    if m.head == "untied":
-        head["unembedding"] = sd["lm_head.weight"]
-    if m.head in ("mos", "moss"):
-        head.update(mos_proj=sd["mos.proj"], mos_prior=sd["mos.prior"])
-    return head
+    folded tensors, which are derived)."""
+    out = {}
+    for k, shape in head_names(m).items():
+        name = hf_name(k, shape)
+        x, want = sd[name], ((1, *shape) if name == HEAD_NAMES["gate"] else shape)
+        if tuple(x.shape) != want:
+            raise ValueError(f"checkpoint does not fit the model config: {name}: {tuple(x.shape)} != {want}")
+        out[k] = x.reshape(shape)
+    return out
 
 
-def to_hf(params, m) -> dict[str, np.ndarray]:
-    """Our parameter tree -> {HF name: fp32 array} (the module docstring's names)."""
+def to_hf_described(params, m) -> tuple[dict[str, np.ndarray], dict]:
+    """(`to_hf`, the head's description for config.json: `head_to_hf`)."""
     check_supported(m)
     out = {}
     for i, layer in enumerate(_layers(params, m)):
         out.update({f"model.layers.{i}.{k}": v for k, v in _layer_to_hf(layer, m).items()})
     trunk = params["trunk"]
-    out["model.norm.weight"] = convert._numpy(trunk["final_norm"]["weight"])
+    out["model.norm.weight"] = _numpy(trunk["final_norm"]["weight"])
     if m.arch == "attnres":
-        out["model.final_attnres.query"] = convert._numpy(trunk["final_attnres"]["query"])
-        out["model.final_attnres.key_norm.weight"] = convert._numpy(trunk["final_attnres"]["key_norm"]["weight"])
-    out.update(head_to_hf({k: convert._numpy(v) for k, v in params["head"].items()}, m))
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+        out["model.final_attnres.query"] = _numpy(trunk["final_attnres"]["query"])
+        out["model.final_attnres.key_norm.weight"] = _numpy(trunk["final_attnres"]["key_norm"]["weight"])
+    head, desc = head_to_hf({k: _numpy(v) for k, v in params["head"].items()}, m)
+    out.update(head)
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}, desc
+
+
+def to_hf(params, m) -> dict[str, np.ndarray]:
+    """Our parameter tree -> {HF name: fp32 array} (the module docstring's names)."""
+    return to_hf_described(params, m)[0]
 
 
 def from_hf(state_dict: Mapping[str, Any], m) -> dict:
@@ -282,7 +424,7 @@ def from_hf(state_dict: Mapping[str, Any], m) -> dict:
     import jax.numpy as jnp
 
     check_supported(m)
-    sd = {k: convert._numpy(v) for k, v in state_dict.items()}
+    sd = {k: _numpy(v) for k, v in state_dict.items()}
     pattern = _pattern(m)
     try:
         layers = []
@@ -327,8 +469,9 @@ def _common(m, max_positions: int) -> dict:
     )
 
 
-def hf_config(m, max_positions: int = 1024):
-    """The transformers config object of `export_kind(m)` (eos = bos = pad = <|endoftext|>)."""
+def hf_config(m, max_positions: int = 1024, head: dict | None = None):
+    """The transformers config object of `export_kind(m)` (eos = bos = pad = <|endoftext|>);
+    `head` is the head's description (`head_to_hf`), which an OnonaConfig carries."""
     import transformers
 
     from onona_jax.tokenizer import EOT
@@ -338,10 +481,10 @@ def hf_config(m, max_positions: int = 1024):
     moe = dict(num_experts=int(m.moe.n_experts), num_experts_per_tok=int(m.moe.top_k),
                moe_intermediate_size=int(m.moe.d_expert), norm_topk_prob=bool(m.moe.renormalize))
     if kind == "qwen3":
-        cfg = transformers.Qwen3Config(**common, tie_word_embeddings=m.head == "standard")
+        cfg = transformers.Qwen3Config(**common, tie_word_embeddings="unembedding" not in head_names(m))
         cfg.architectures = ["Qwen3ForCausalLM"]
     elif kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, **moe, tie_word_embeddings=m.head == "standard", decoder_sparse_step=1,
+        cfg = transformers.Qwen3MoeConfig(**common, **moe, tie_word_embeddings="unembedding" not in head_names(m), decoder_sparse_step=1,
                                           mlp_only_layers=[], output_router_logits=False,
                                           router_aux_loss_coef=float(m.moe.aux_coef))
         cfg.architectures = ["Qwen3MoeForCausalLM"]
@@ -354,7 +497,7 @@ def hf_config(m, max_positions: int = 1024):
             linear_num_key_heads=int(G.n_heads), linear_num_value_heads=int(G.n_heads),
             linear_key_head_dim=int(G.head_dim_k), linear_value_head_dim=int(G.head_dim_v),
             linear_conv_kernel_dim=int(G.conv_kernel), attnres_block_size=int(m.attnres.block_size),
-            mos_components=int(m.mos_components),
+            mos_components=int(m.mos_components), **(head or {}),
         )
         cfg.architectures = ["OnonaForCausalLM"]
         cfg.auto_map = dict(AUTO_MAP)
@@ -430,7 +573,7 @@ def _model_config_from_hf(hf: dict, base=None):
         m.layer_pattern = "" if pattern == "gdn,gdn,gdn,attention" else pattern  # "": the arch's own
     if m.arch == "attnres":
         m.attnres.block_size = int(hf.get("attnres_block_size", 1))
-    if m.head in ("mos", "moss"):
+    if "mos_components" in hf:
         m.mos_components = int(hf.get("mos_components", 2))
     if int(hf["vocab_size"]) < 50257:
         raise ValueError(f"vocab_size={hf['vocab_size']}: import needs a GPT-2-sized vocabulary (≥ 50,257); "
@@ -564,8 +707,8 @@ def export(params, cfg, output: str, tokenizer: bool = True, overwrite: bool = F
     m = cfg.model
     check_supported(m)
     check_output(output, overwrite)
-    hf = hf_config(m, max(1024, int(cfg.data.seq_len)))
-    state = to_hf(params, m)
+    state, head = to_hf_described(params, m)
+    hf = hf_config(m, max(1024, int(cfg.data.seq_len)), head)
     out = Path(os.path.abspath(output))
     staging.remove_stale(out)
     tmp, lock_fd = staging.new(out)
@@ -629,10 +772,10 @@ def _load_file(file: str) -> dict[str, np.ndarray]:
                 return load_file(file)
             except TypeError:  # bf16, which numpy lacks: through torch
                 with safe_open(file, framework="pt") as f:
-                    return {k: convert._numpy(f.get_tensor(k)) for k in f.keys()}
+                    return {k: _numpy(f.get_tensor(k)) for k in f.keys()}
         import torch
 
-        return {k: convert._numpy(v) for k, v in torch.load(file, map_location="cpu", weights_only=True).items()}
+        return {k: _numpy(v) for k, v in torch.load(file, map_location="cpu", weights_only=True).items()}
     except OSError:
         raise
     except Exception as err:  # noqa: BLE001 - safetensors' and torch's errors for a damaged file

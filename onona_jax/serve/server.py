@@ -5,19 +5,21 @@
     server.generate([[464, 3290], [40]], 32, greedy=True, stop_tokens=(EOT,))
     server.generate(prompts, 32, one_projection=True, seed=1)    # exact sampling, one V×d projection
 
-Folding (twin head, done once): the input table M = (A+B)/2, the gate vector
-g = σ(wᵀ rmsnorm(M)) ∈ [0,1]^V (a lookup by input token; its logit z is kept for log-space
-mixing) and A, B cast to the compute dtype for the output. The trunk reads M[x].
+Folding (`Head.fold`, done once): the input table the trunk reads (twin: M = (A+B)/2), the
+K output tables cast to the compute dtype, and the gate as a lookup by input token: log
+mixture weights [V, K] (twin: logσ(z), logσ(−z) with z = wᵀ rmsnorm(M)), kept in log space.
 
 Which projections a decoding step computes:
 
 * scoring, greedy, temperature ≠ 1, top-k, top-p: the mixture
-  log p = logaddexp(log_softmax(hAᵀ) + logσ(z), log_softmax(hBᵀ) + logσ(−z)), both projections;
-  greedy is argmax of it, and temperature / top-k / top-p act on it (temperature divides the
-  mixture log-probs, then top-k, then top-p keep the most probable tokens).
-* `one_projection=True` (temperature 1, no truncation): c ~ Bernoulli(g[x_t]), then a sample of
-  softmax(hAᵀ) if c else softmax(hBᵀ), which is exactly a sample of the mixture. Each row
-  computes only its own table's projection (`one_projection_logits`).
+  log p = logsumexp_k(log w_k[x] + log_softmax(h T_kᵀ)) (twin: logaddexp of the two), every
+  projection; greedy is argmax of it, and temperature / top-k / top-p act on it (temperature
+  divides the mixture log-probs, then top-k, then top-p keep the most probable tokens).
+* `one_projection=True` (temperature 1, no truncation; a head with K ≥ 2 tables and a gate):
+  a component k ~ w[x_t] (twin: c ~ Bernoulli(g[x_t]), g = σ(z)), then a sample of
+  softmax(h T_kᵀ), which is exactly a sample of the mixture because the weights depend on the
+  input token alone. Each row computes only its own table's projection
+  (`one_projection_logits` for two tables, `component_logits` for any K).
 
 Batching: prompts of different lengths are LEFT-padded to a common length (rounded up to a
 power of two so few shapes compile); row b's pads occupy cache slots [0, start_b), are invisible
@@ -144,6 +146,55 @@ def sample_one_projection(key, h, A, B, g, max_branches: int = MAX_BRANCHES):
     return jax.random.categorical(key_t, z, axis=-1)
 
 
+def component_logits(h, tables, c, max_branches: int = MAX_BRANCHES):
+    """Logits [N, V] (h's dtype) whose row r is h_r T_{c_r}ᵀ for K tables, computing for most
+    rows only their own table's projection (the K-table form of `one_projection_logits`).
+
+    Rows are stably sorted by c and cut into slabs of S = ⌈N/max_branches⌉ rows; a slab
+    projects once with each component present in it (a `lax.switch` on k, so only table k is
+    read), and the sorted order makes all but at most K − 1 slabs hold one component: at most
+    (K − 1)·S rows are projected more than once. N = 1: one projection."""
+    n, d = h.shape
+    K = len(tables)
+    c = c.astype(jnp.int32)
+    order = jnp.argsort(c, stable=True)
+    hs, cs = h[order], c[order]
+    S = -(-n // max(1, min(n, max_branches)))
+    slabs = -(-n // S)
+    pad = slabs * S - n  # padding rows repeat the last component: no extra projection
+    hs = jnp.concatenate([hs, jnp.zeros((pad, d), hs.dtype)]).reshape(slabs, S, d)
+    cs = jnp.concatenate([cs, jnp.full((pad,), cs[-1], jnp.int32)]).reshape(slabs, S)
+    branches = [lambda x, T=T: heads_lib.logits(x, T) for T in tables]
+    V = tables[0].shape[0]
+
+    def slab(args):
+        x, ks = args
+
+        def body(st):
+            k, out = st
+            out = jnp.where((ks == k)[:, None], jax.lax.switch(k, branches, x), out)
+            return jnp.min(jnp.where(ks > k, ks, K)), out  # the next component present, or K
+
+        out = jnp.zeros((S, V), jnp.result_type(h.dtype, tables[0].dtype))
+        return jax.lax.while_loop(lambda st: st[0] < K, body, (ks[0], out))[1]
+
+    out = jax.lax.map(slab, (hs, cs)).reshape(slabs * S, V)[:n]
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def sample_mixture(key, h, tables, log_weights, max_branches: int = MAX_BRANCHES):
+    """An exact sample of the mixture Σ_k w_k softmax(h T_kᵀ) per row (h [N, d], log_weights
+    [N, K] the gate's log weights of the rows' input tokens) with one projection per row:
+    k ~ w, then a token from softmax(h T_kᵀ). Two tables: `sample_one_projection`. Temperature
+    1, no truncation (anything else acts on the mixture and needs every projection)."""
+    if len(tables) == 2:
+        return sample_one_projection(key, h, *tables, jnp.exp(log_weights[..., 0]), max_branches)
+    key_c, key_t = jax.random.split(key)
+    c = jax.random.categorical(key_c, log_weights.astype(jnp.float32), axis=-1)
+    z = component_logits(h, tables, c, max_branches).astype(jnp.float32)
+    return jax.random.categorical(key_t, z, axis=-1)
+
+
 def _bucket(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
@@ -153,13 +204,13 @@ def _bucket(n: int, lo: int) -> int:
 
 def foldable(cfg_model) -> bool:
     """Whether the head has a serving fold (`Head.fold`)."""
-    return heads_lib.head_class(cfg_model.head).fold is not heads_lib.Head.fold
+    return heads_lib.head_class(cfg_model.head).foldable()
 
 
 def fold(cfg_model, head_params, max_rows: int = 8192) -> dict:
-    """The head's serving tensors from its parameters: the input table (in the compute
-    dtype, which is all the trunk reads of it), the output tables (compute dtype), and for a
-    gated head the gate logit z [V] and probability g [V] (fp32).
+    """The head's serving tensors from its parameters (`Head.fold`): the input table (in the
+    compute dtype, which is all the trunk reads of it), the K output tables (compute dtype),
+    and for a gated head the lookup `log_weights` [V, K] (fp32).
 
     `Head.fold` is row-wise in the vocabulary, so it runs on blocks of at most `max_rows`
     rows (a divisor of V) in a loop: its fp32 temporaries (M, rmsnorm(M)) exist for one
@@ -173,8 +224,8 @@ def fold(cfg_model, head_params, max_rows: int = 8192) -> dict:
     def one(p):
         f = nnx.merge(graphdef, p).fold()
         out = {"input": f.input.astype(dtype), "outputs": tuple(t.astype(dtype) for t in f.outputs)}
-        if f.gate_logit is not None:
-            out.update(z=f.gate_logit, g=jax.nn.sigmoid(f.gate_logit))
+        if f.log_weights is not None:
+            out["log_weights"] = f.log_weights.astype(jnp.float32)
         return out
 
     def impl(p):
@@ -219,8 +270,8 @@ class Server:
             self.graphdef, _ = model_lib.abstract(m, head=heads_lib.NoHead)
         else:
             self.graphdef, _ = model_lib.abstract(m)
-        # two output tables and a gate over the input token: one-projection sampling is exact
-        self.twin = self.folded and "z" in folded
+        # K ≥ 2 output tables and a gate over the input token: one-projection sampling is exact
+        self.gated = self.folded and "log_weights" in folded
         self.tables = {"params": params, **(folded or {})}
         self._log_probs = jax.jit(self._log_probs_impl)
         self._compiled: dict = {}
@@ -265,10 +316,10 @@ class Server:
 
     @property
     def gate(self) -> np.ndarray:
-        """g [V]: the twin gate's probability of table A for each input token."""
-        if not self.twin:
-            raise ValueError(f"head {self.cfg.head!r} has no gate over two output tables")
-        return np.asarray(self.tables["g"])
+        """[V, K]: the gate's weight of each output table for each input token (twin: g, 1 − g)."""
+        if not self.gated:
+            raise ValueError(f"head {self.cfg.head!r} has no gate over its output tables")
+        return np.exp(np.asarray(self.tables["log_weights"]))
 
     def _model(self, sp):
         return model_lib.bind(self.graphdef, sp["params"])
@@ -281,8 +332,8 @@ class Server:
     def _head_log_probs(self, sp, model, h, tokens):
         """Mixture (or the head's) log-probs of the next token given h and the input tokens."""
         if self.folded:
-            z = sp.get("z")
-            lw = None if z is None else heads_lib.gate_log_weights(jnp.take(z, tokens, axis=0))
+            lw = sp.get("log_weights")
+            lw = None if lw is None else jnp.take(lw, tokens, axis=0)
             return heads_lib.mixture_log_probs(heads_lib.Mixture(h, sp["outputs"], lw, self.score))
         return model.head.log_probs(h, model.head.embed(tokens))
 
@@ -294,9 +345,8 @@ class Server:
     def _next(self, sp, model, h, tokens, key, temperature, top_p, mode):
         greedy, one_projection, top_k, use_top_p = mode
         if one_projection:
-            g = jnp.take(sp["g"], tokens, axis=0)
-            A, B = sp["outputs"]
-            return sample_one_projection(key, h, A, B, g).astype(jnp.int32)
+            lw = jnp.take(sp["log_weights"], tokens, axis=0)
+            return sample_mixture(key, h, sp["outputs"], lw).astype(jnp.int32)
         log_probs = self._head_log_probs(sp, model, h, tokens)
         if greedy:
             return jnp.argmax(log_probs, axis=-1).astype(jnp.int32)
@@ -366,7 +416,7 @@ class Server:
 
         greedy: argmax of the mixture. Otherwise sample from the mixture after `temperature`,
         `top_k` (0: off) and `top_p` (1.0: off). `one_projection`: exact sampling at
-        temperature 1 without truncation, one V×d projection per row (twin heads only).
+        temperature 1 without truncation, one V×d projection per row (gated heads: twin).
         A row stops after emitting one of `stop_tokens`; the stop token is NOT included in
         its returned continuation. Returns one list of new token ids per prompt.
         Timings of the call are left in `self.last_stats`."""
@@ -432,8 +482,9 @@ class Server:
     def _mode(self, greedy, temperature, top_k, top_p, one_projection):
         temperature, top_p, top_k = float(temperature), float(top_p), int(top_k)
         if one_projection:
-            if not self.twin:
-                raise ValueError(f"one_projection needs a twin head; this model's head is {self.cfg.head!r}")
+            if not self.gated:
+                raise ValueError(f"one_projection needs a head whose output tables a gate over the input token "
+                                 f"mixes (twin); this model's head is {self.cfg.head!r}")
             if greedy or temperature != 1.0 or top_k != 0 or top_p != 1.0:
                 raise ValueError(
                     "one_projection samples exactly only at temperature=1.0 without truncation "

@@ -17,8 +17,8 @@ from onona_jax.train.state import Run
 def loss_and_aux(graphdef, params, tokens, cfg_model, layout=None):
     """(objective, aux) of a [b, T+1] batch: the mean next-token NLL (`aux["lm_loss"]`) plus
     the family's auxiliary loss (MoE: aux_coef × load balancing, pooled over layers); aux also
-    carries gate statistics (gated heads) and the family's metrics (MoE routing). `layout`
-    (`sharding.loss_layout`) shards the fused loss over the mesh."""
+    carries the head's gate statistics (`Head.gate_stats`) and the family's metrics (MoE
+    routing). `layout` (`sharding.loss_layout`) shards the fused loss over the mesh."""
     model = models.bind(graphdef, params)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     h, x0, stats = model.forward(inputs)
@@ -26,9 +26,7 @@ def loss_and_aux(graphdef, params, tokens, cfg_model, layout=None):
     weights = jnp.full(targets.shape, 1.0 / targets.size, jnp.float32)
     loss, _ = model.head.nll(h, x0, targets, weights, layout)
     aux = {"lm_loss": loss}
-    if model.head.gated:
-        g = model.head.gate_probs(inputs)
-        aux.update(gate_mean=jnp.mean(g), gate_sq=jnp.mean(jnp.square(g)))
+    aux.update(model.head.gate_stats(inputs))  # the head's gate moments (none without a gate)
     extra, metrics = models.family(cfg_model).aux_loss(stats, cfg_model)
     aux.update(metrics)
     return loss + extra, aux
@@ -74,10 +72,10 @@ def make_train_step(run: Run):
         if "gate_mean" in aux:
             gate_sq = aux.pop("gate_sq")
             metrics["gate_std"] = jnp.sqrt(jnp.maximum(gate_sq - aux["gate_mean"] ** 2, 0.0))
-        for key in [k for k, v in aux.items() if v.ndim == 1]:  # a vector: one scalar per entry
-            vec = aux.pop(key)  # (MoE: moe_load_<expert>), for the log
-            metrics.update({f"{key}_{e}": vec[e] for e in range(vec.shape[0])})
         metrics.update(aux)
+        for key in [k for k, v in metrics.items() if v.ndim == 1]:  # a vector: one scalar per entry
+            vec = metrics.pop(key)  # (MoE: moe_load_<expert>; a K-way gate: gate_mean_<k>), for the log
+            metrics.update({f"{key}_{e}": vec[e] for e in range(vec.shape[0])})
         return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     replicated = NamedSharding(run.mesh, P())

@@ -6,7 +6,12 @@ that is not a plain Qwen3 / Qwen3-MoE; it needs transformers alone (no onona_jax
 It is a Qwen3 configuration (the attention and MLP fields keep their Qwen3 meaning) plus
 
     family   dense | moe | gdn | attnres   the decoder body
-    head     one of HEADS (twin, standard, the controls), see modeling_onona.py
+    head     the head's name (as the training config calls it; the model does not read it)
+    head_rule, head_outputs, head_log_weights, head_score, head_tensors
+             the head as modeling_onona.py serves it: "mixture" of the tables named in
+             head_outputs with the gate lookup head_log_weights ("" without a gate), or
+             "mos"; head_score "" or "sigsoftmax"; head_tensors {name: shape} of every head
+             tensor besides the body's input table
     mos:     mos_components K
     moe:     num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob
              (Qwen3-MoE's names: top-k of a softmax over all experts, optionally renormalised)
@@ -21,8 +26,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config
 
 FAMILIES = ("dense", "moe", "gdn", "attnres")
-HEADS = ("twin", "standard", "untied", "sigsoftmax", "mos", "moss", "input_gate", "twin_input_only",
-         "twin_output_only")
+HEAD_RULES = ("mixture", "mos")
 
 
 @strict
@@ -31,6 +35,11 @@ class OnonaConfig(Qwen3Config):
 
     family: str = "dense"
     head: str = "twin"
+    head_rule: str = "mixture"
+    head_outputs: list[str] | None = None
+    head_log_weights: str = ""
+    head_score: str = ""
+    head_tensors: dict | None = None
     # MoE (Qwen3-MoE's names)
     num_experts: int = 8
     num_experts_per_tok: int = 2
@@ -51,11 +60,13 @@ class OnonaConfig(Qwen3Config):
     gate_eps: float = 1.1920928955078125e-07
 
     def __post_init__(self, **kwargs):
-        if self.family not in FAMILIES or self.head not in HEADS:
+        if self.family not in FAMILIES or self.head_rule not in HEAD_RULES:
             raise ValueError(
-                f"OnonaConfig: family={self.family!r}, head={self.head!r}; supported families "
-                f"{FAMILIES} with heads {HEADS}"
+                f"OnonaConfig: family={self.family!r}, head_rule={self.head_rule!r}; supported families "
+                f"{FAMILIES} with head rules {HEAD_RULES}"
             )
+        if self.head_rule == "mixture" and not self.head_outputs:
+            raise ValueError(f"OnonaConfig: head {self.head!r} names no output tables (head_outputs)")
         pattern = (self.layer_pattern or ("gdn,gdn,gdn,attention" if self.family == "gdn" else "attention"))
         pattern = pattern.split(",")
         kinds = {"attention": "full_attention", "gdn": "linear_attention"}

@@ -19,21 +19,19 @@ Gated DeltaNet, so that the numerics are theirs; `config.family` picks
     attnres  Attention Residuals: no residual sum, each sublayer reads a softmax mixture
              over depth of the embedding and the earlier (block-summed) sublayer outputs
 
-and `config.head`
+and the head, which config.json describes (so this file serves a head with any number of
+tables without knowing its name; `config.head` only names it):
 
-    twin      the body reads M = (A+B)/2 (`model.embed_tokens.weight`); the output mixes
-              two softmaxes with a gate that depends only on the input token x:
-              log p = logaddexp(log_softmax(hAᵀ) + logσ(z[x]), log_softmax(hBᵀ) + logσ(−z[x])),
-              z = `twin.gate_logit`, precomputed for every input token as wᵀ rmsnorm(M_x)
-    standard  the tied table E reads and writes: log p = log_softmax(hEᵀ)
-    untied    E reads, `lm_head.weight` W writes: log p = log_softmax(hWᵀ)
-    sigsoftmax  the tied E, p ∝ exp(z)σ(z) with z = hEᵀ (Kanai et al., 2018)
-    mos, moss   the tied E, a mixture of K softmaxes (sigsoftmaxes) of E tanh(W_k h) with the
-              prior softmax(h W_π) (`mos.proj` [K, d, d], `mos.prior` [d, K])
-    input_gate  the body reads g·A[x] + (1−g)·B[x] (folded per token into
-              `model.embed_tokens.weight`), the output is softmax(hMᵀ) (`lm_head.weight` = M)
-    twin_input_only   the body reads M[x], the output is softmax(hAᵀ) (`lm_head.weight` = A)
-    twin_output_only  the body reads A[x], the twin mixture with the gate reading A[x]
+    head_rule="mixture"  the body reads `model.embed_tokens.weight`; the output mixes the K
+              softmaxes of the tables `config.head_outputs` names, with the gate lookup
+              `config.head_log_weights` [V, K] (log mixture weights by input token x, "" for
+              K = 1): log p = logsumexp_k(log_weights[x, k] + log_softmax(score(h T_kᵀ))).
+              twin: tables twin.A, twin.B, log weights logσ(±z), z = wᵀ rmsnorm(M_x)
+    head_rule="mos"      the tied E, a mixture of K softmaxes of E tanh(W_k h) with the prior
+              softmax(h W_π) (`mos.proj` [K, d, d], `mos.prior` [d, K]) (Yang et al., 2018)
+
+`config.head_score` "sigsoftmax" makes each component p ∝ exp(z)σ(z) (Kanai et al., 2018);
+`config.head_tensors` lists every head tensor (name -> shape) the model holds.
 
 `logits` are the model's fp32 log-probabilities (a softmax of them is the model's
 distribution, so greedy search, sampling and beam search act on the mixture). The KV cache
@@ -58,13 +56,21 @@ from .configuration_onona import OnonaConfig
 # ----------------------------------------------------------------------------- pure math
 
 
-def twin_log_probs(h, A, B, z):
-    """fp32 [..., V]: log(σ(z)·softmax(hAᵀ) + σ(−z)·softmax(hBᵀ)) in log space (exact where
-    1 − σ(z) would round to 0). h [..., d], z [...] the gate logits of the input tokens."""
-    la = F.log_softmax((h @ A.T).float(), dim=-1)
-    lb = F.log_softmax((h @ B.T).float(), dim=-1)
-    z = z.float().unsqueeze(-1)
-    return torch.logaddexp(la + F.logsigmoid(z), lb + F.logsigmoid(-z))
+def mixture_log_probs(h, tables, log_weights=None, score=""):
+    """fp32 [..., V]: log Σ_k w_k softmax(score(h T_kᵀ)) in log space, w = exp(log_weights)
+    [..., K] (None for one table); exact where a weight would round to 0."""
+    parts = []
+    for T in tables:
+        z = (h @ T.T).float()
+        if score == "sigsoftmax":
+            z = 2.0 * z - F.softplus(z)  # log(exp(z)·σ(z))
+        parts.append(F.log_softmax(z, dim=-1))
+    if log_weights is None:
+        return parts[0]
+    lw = log_weights.float()
+    if len(parts) == 2:  # logaddexp, as the JAX model's two-table form
+        return torch.logaddexp(parts[0] + lw[..., 0:1], parts[1] + lw[..., 1:2])
+    return torch.logsumexp(torch.stack(parts, dim=-2) + lw.unsqueeze(-1), dim=-2)
 
 
 def attnres_mix(sources, query, norm_weight, eps):
@@ -141,12 +147,9 @@ class OnonaPreTrainedModel(PreTrainedModel):
         # Weights come from the checkpoint; this only covers modules made from scratch.
         super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, OnonaTwinTables):
-            nn.init.normal_(module.A, std=std)
-            nn.init.normal_(module.B, std=std)
-        elif isinstance(module, OnonaMoS):
-            nn.init.normal_(module.proj, std=std)
-            nn.init.normal_(module.prior, std=std)
+        if isinstance(module, OnonaHeadTensors):
+            for p in module.parameters(recurse=False):
+                nn.init.normal_(p, std=std)
         elif hasattr(module, "gate_up_proj") and module.gate_up_proj.dim() == 3:  # Qwen3-MoE experts
             nn.init.normal_(module.gate_up_proj, std=std)
             nn.init.normal_(module.down_proj, std=std)
@@ -215,47 +218,30 @@ class OnonaModel(OnonaPreTrainedModel):
         return attnres_mix(blocks + ([partial] if partial is not None else []), f.query, f.key_norm.weight, eps)
 
 
-class OnonaTwinTables(nn.Module):
-    """The two-table heads' A, B [V, d]; where there is a gate, its w (`gate.weight` [1, d],
-    kept for re-import) and its lookup z_v = wᵀ rmsnorm(r_v) for every input token v
-    (`gate_logit` [V]; r = M, or A for twin_output_only)."""
-
-    def __init__(self, config: OnonaConfig, gate: bool):
-        super().__init__()
-        V, d = config.vocab_size, config.hidden_size
-        self.A = nn.Parameter(torch.empty(V, d))
-        self.B = nn.Parameter(torch.empty(V, d))
-        if gate:
-            self.gate = nn.Linear(d, 1, bias=False)
-            self.register_buffer("gate_logit", torch.zeros(V))
+class OnonaHeadTensors(nn.Module):
+    """A node of the head's tensors at their exported names (`config.head_tensors`, e.g.
+    `twin.A`): parameters and child nodes made from the dotted names."""
 
 
-class OnonaMoS(nn.Module):
-    """Mixture of softmaxes: `proj` [K, d, d] (contexts tanh(h W_k)), `prior` [d, K]."""
-
-    def __init__(self, config: OnonaConfig):
-        super().__init__()
-        K, d = config.mos_components, config.hidden_size
-        self.proj = nn.Parameter(torch.empty(K, d, d))
-        self.prior = nn.Parameter(torch.empty(d, K))
-
-
-GATED = ("twin", "twin_output_only", "input_gate")
-TWO_TABLES = (*GATED, "twin_input_only")
-SINGLE_OUTPUT = ("untied", "input_gate", "twin_input_only")  # softmax(h lm_headᵀ)
+def _add_head_tensor(root: nn.Module, name: str, shape, config) -> None:
+    if name == "lm_head.weight":  # a plain output layer, as transformers names it
+        root.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        return
+    *path, leaf = name.split(".")
+    node = root
+    for part in path:
+        if not hasattr(node, part):
+            node.add_module(part, OnonaHeadTensors())
+        node = getattr(node, part)
+    node.register_parameter(leaf, nn.Parameter(torch.empty(*shape)))
 
 
 class OnonaForCausalLM(OnonaPreTrainedModel, GenerationMixin):
     def __init__(self, config: OnonaConfig):
         super().__init__(config)
         self.model = OnonaModel(config)
-        head = config.head
-        if head in TWO_TABLES:
-            self.twin = OnonaTwinTables(config, gate=head in GATED)
-        if head in SINGLE_OUTPUT:  # its own output table (input_gate: M, twin_input_only: A)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if head in ("mos", "moss"):
-            self.mos = OnonaMoS(config)
+        for name, shape in sorted((config.head_tensors or {}).items()):
+            _add_head_tensor(self, name, shape, config)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -268,29 +254,31 @@ class OnonaForCausalLM(OnonaPreTrainedModel, GenerationMixin):
         # the heads read their tables themselves; only lm_head is a plain output layer, never tied
         return getattr(self, "lm_head", None)
 
+    def head_tensor(self, name: str):
+        """A head tensor by its exported name (the body's input table included)."""
+        if name == "model.embed_tokens.weight":
+            return self.model.embed_tokens.weight
+        node = self
+        for part in name.split("."):
+            node = getattr(node, part)
+        return node
+
     def head_log_probs(self, h, input_ids):
         """fp32 log p(next token) [..., V] from final hidden states h and the input tokens."""
-        head = self.config.head
-        if head in ("twin", "twin_output_only"):
-            return twin_log_probs(h, self.twin.A, self.twin.B, self.twin.gate_logit[input_ids])
-        if head in SINGLE_OUTPUT:
-            return F.log_softmax(self.lm_head(h).float(), dim=-1)
+        c = self.config
         E = self.model.embed_tokens.weight
-        if head in ("mos", "moss"):
+        if c.head_rule == "mos":
             log_prior = F.log_softmax((h @ self.mos.prior).float(), dim=-1)  # [..., K]
             contexts = torch.tanh(torch.einsum("...d,kde->...ke", h, self.mos.proj))
-            z = (contexts @ E.T).float()  # [..., K, V]
-            if head == "moss":
-                z = 2.0 * z - F.softplus(z)
-            return torch.logsumexp(log_prior.unsqueeze(-1) + F.log_softmax(z, dim=-1), dim=-2)
-        z = (h @ E.T).float()
-        if head == "sigsoftmax":
-            z = 2.0 * z - F.softplus(z)  # log(exp(z)·σ(z))
-        return F.log_softmax(z, dim=-1)
+            return torch.logsumexp(log_prior.unsqueeze(-1) + mixture_log_probs(contexts, [E], None, c.head_score),
+                                   dim=-2)
+        tables = [self.head_tensor(n) for n in c.head_outputs]
+        lw = self.head_tensor(c.head_log_weights)[input_ids] if c.head_log_weights else None
+        return mixture_log_probs(h, tables, lw, c.head_score)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        if self.config.head in GATED and input_ids is None:
+        if self.config.head_log_weights and input_ids is None:
             raise ValueError(f"the {self.config.head} head's gate reads the input tokens: pass input_ids, "
                              "not inputs_embeds")
         use_cache = self.config.use_cache if use_cache is None else use_cache

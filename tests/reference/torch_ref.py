@@ -1,7 +1,8 @@
 """PyTorch reference of onóna: the paper's Figure 2 transcribed literally, on an HF Qwen3 body.
 
-The parity tests hold the JAX model to this. Keep `TwinTables` as the paper wrote it.
-Imports torch and transformers: only tests and converters use this module.
+The parity tests (and benchmarks/peer.py) hold the JAX model to this. Keep `TwinTables` as
+the paper wrote it. Imports torch and transformers; weights come through the package's one HF
+format (`onona_jax.serve.hf_format`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onona_jax.serve import convert
+from onona_jax.serve import hf_format
+
+
+def hf_qwen3_config(cfg_model, max_position_embeddings: int = 1024):
+    """The `transformers.Qwen3Config` of our dense body (tied, bias-free, eager attention).
+
+    transformers 5.x spells RoPE as `rope_parameters={"rope_type", "rope_theta"}`."""
+    import transformers
+
+    m = cfg_model
+    return transformers.Qwen3Config(
+        vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_act="silu",
+        rms_norm_eps=m.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, attention_bias=False,
+        attention_dropout=0.0, use_sliding_window=False, use_cache=False, attn_implementation="eager",
+    )
+
+
+def state_dict_from_jax(params, cfg_model) -> dict:
+    """Our parameter tree as torch tensors under the HF names (`hf_format.to_hf`)."""
+    return {k: torch.from_numpy(v) for k, v in hf_format.to_hf(params, cfg_model).items()}
 
 
 class TwinTables(nn.Module):
@@ -47,9 +69,9 @@ class TwinQwen3(nn.Module):
         super().__init__()
         from transformers import Qwen3Model
 
-        self.model = Qwen3Model(convert.hf_qwen3_config(cfg_model))
+        self.model = Qwen3Model(hf_qwen3_config(cfg_model))
         # The body reads M = (A+B)/2 through `inputs_embeds`; its own table would be dead
-        # weight (and is absent from the converter's twin state dict).
+        # weight (the export's folded M is not loaded).
         self.model.embed_tokens = None
         self.twin = TwinTables(cfg_model.vocab_size, cfg_model.d_model)
 
@@ -60,9 +82,10 @@ class TwinQwen3(nn.Module):
 
     @torch.no_grad()
     def load_from_jax(self, params, cfg_model):
-        sd = convert.to_hf_state_dict(params, cfg_model)
-        sd = {k: torch.from_numpy(v) for k, v in sd.items()}
+        sd = state_dict_from_jax(params, cfg_model)
         sd["twin.w.weight"] = sd.pop("twin.gate.weight")  # Figure 2 calls the gate Linear `w`
+        # the parameters alone: the export's folded tensors (M, the gate lookup) are derived
+        sd = {k: v for k, v in sd.items() if k not in (hf_format.INPUT, hf_format.LOG_WEIGHTS)}
         self.load_state_dict(sd, strict=True)
         return self
 
@@ -71,7 +94,7 @@ class TwinServing(nn.Module):
     """The serving form of a twin model, from `python -m onona_jax.serve.export` (SPEC §1, Serving).
 
     M = (A+B)/2 is folded once and the gate is a lookup over input tokens: g = σ(z) with
-    z_v = wᵀ rmsnorm(M_v) precomputed for every v. Scoring (exact) needs both projections:
+    z_v = wᵀ rmsnorm(M_v), exported as its log weights (logσ(z), logσ(−z)) for every v. Scoring (exact) needs both projections:
 
         x0 = M[ids];  h = Qwen3Model(inputs_embeds=x0)
         log p = logaddexp(log_softmax(hAᵀ) + logσ(z[ids]), log_softmax(hBᵀ) + logσ(−z[ids]))
@@ -117,10 +140,11 @@ class TwinServing(nn.Module):
         body = {k[len("model."):]: v for k, v in tensors.items()
                 if k.startswith("model.") and k != "model.embed_tokens.weight"}
         module.model.load_state_dict(body, strict=True)
-        for name, key in (("M", "model.embed_tokens.weight"), ("A", "twin.A"), ("B", "twin.B"),
-                          ("gate_logit", "twin.gate_logit")):
+        for name, key in (("M", "model.embed_tokens.weight"), ("A", "twin.A"), ("B", "twin.B")):
             getattr(module, name).copy_(tensors[key])
-        module.g.copy_(torch.sigmoid(module.gate_logit))
+        lw = tensors["head.log_weights"]  # [V, 2]: logσ(z), logσ(−z)
+        module.gate_logit.copy_(lw[:, 0] - lw[:, 1])  # logσ(z) − logσ(−z) = z
+        module.g.copy_(lw[:, 0].exp())
         return module.to(device).eval()
 
     def hidden(self, ids):
