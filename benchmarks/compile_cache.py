@@ -29,7 +29,7 @@ import time
 from absl import flags
 
 import common  # benchmarks/common.py, beside this script
-from onona_jax import cli
+from onona_jax import cli, paths
 
 DEFAULT_CONFIG = "configs/paper.py:dense-small-twin"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +70,7 @@ def train_start(config_args: list[str], cache: str, workdir: str, data_dir: str)
                    f"--config.train.compile_cache={cache}", f"--config.data.dir={data_dir}",
                    "--config.train.steps=1", "--config.train.log_every=1", "--config.eval.windows=8",
                    "--config.mesh.data=1"])
-    first = json.loads(open(os.path.join(workdir, "metrics.jsonl")).readline())
+    first = json.loads(open(paths.Workdir(workdir).metrics).readline())
     return {"compile_s": round(first["compile_s"], 2), "compile_cache_hits": first["compile_cache_hits"],
             "process_s": round(wall, 1)}
 
