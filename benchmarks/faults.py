@@ -589,10 +589,12 @@ def refused_start_leaves_nothing(b: Bench):
 
 
 def _truncate_arrays(wd: Path, step: int):
-    files = sorted((p for p in (wd / "checkpoints" / str(step) / "state").rglob("*")
-                    if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
-    with open(files[-1], "r+b") as f:
-        f.truncate(files[-1].stat().st_size // 2)
+    # Every array file, not only the largest: OCDBT's writer threads decide which file holds
+    # the parameters, so a reader of the parameters alone (eval.py) might never touch the largest.
+    files = [p for p in (wd / "checkpoints" / str(step) / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    for path in files:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
 
 
 @case("checkpoint", "train.py", "the newest checkpoint's array file truncated", "exit 0; set aside; steps 3-4 again, bit-exact")
