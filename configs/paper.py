@@ -65,7 +65,10 @@ def get_config(arg: str = "dense-small-twin"):
         c.train.lr = 3e-3
         c.train.final_lr = 3e-4
         c.train.log_every = 5
-    return validate(c)
+    # Checked, but returned unresolved: model.vocab_size = 0 follows whatever data.tokenizer the
+    # command line sets (validate fills it in).
+    validate(c.copy_and_resolve_references())
+    return c
 
 
 # ---------------------------------------------------------------------------------------

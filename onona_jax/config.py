@@ -41,7 +41,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = m = ml_collections.ConfigDict()
     m.arch = "dense"
     m.head = "twin"
-    m.vocab_size = 50304  # GPT-2's 50,257 entries padded to a multiple of 64
+    m.vocab_size = 0  # table rows; 0: the tokenizer's entries rounded up to vocab_multiple (GPT-2: 50,304)
+    m.vocab_multiple = 128  # so the vocabulary projection tiles evenly (MXU, tensor-parallel shards)
     m.d_model = 768
     m.n_layers = 16
     m.n_heads = 12
@@ -127,6 +128,14 @@ def base_config() -> ml_collections.ConfigDict:
     # mapped; "stream" = each host fetches only the blocks of its own rows by ranged reads, each
     # verified against prepare's block hashes (onona_jax/data/stream.py). The same batches either way.
     dt.bucket_read = "copy"
+    # The tokenizer (onona_jax/tokenizer.py): gpt2 (bundled), a tiktoken rank file, a HF tokenizer.json
+    # or its folder, or size:<entries> (planning only). prepare records it; train and eval refuse data
+    # of another. eot names the end-of-document token where the tokenizer does not say; a rank
+    # file's special tokens ("<tok>=<id>,...") and split pattern (gpt2 | cl100k | o200k | a regex).
+    dt.tokenizer = "gpt2"
+    dt.eot = ""
+    dt.special_tokens = ""
+    dt.tokenizer_pattern = ""
     dt.seq_len = 1024
     dt.seed = 0
     # grain's reads: threads per process (0 = in the training loop's own thread) and batches
@@ -151,7 +160,8 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collections.ConfigDict:
-    """Raise ValueError naming the key and the fix; return cfg unchanged otherwise.
+    """Raise ValueError naming the key and the fix; return cfg otherwise, with model.vocab_size
+    filled in from data.tokenizer where it is 0 (the one key validation resolves).
 
     Every number of the config must be finite (whatever its key, so a key added later is
     covered too), and every value a run reads lies in its range: the model (the MoE and GDN
@@ -175,6 +185,7 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
 
     need(m.arch in models.FAMILIES, f"unknown model.arch {m.arch!r}; choose one of {tuple(models.FAMILIES)}")
     need(m.head in heads_lib.HEADS, f"unknown model.head {m.head!r}; choose one of {tuple(heads_lib.HEADS)}")
+    _resolve_vocab(cfg, need)
     for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size"):
         need(int(m[key]) > 0, f"model.{key} must be positive, got {m[key]}")
     need(
@@ -213,7 +224,6 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     )
     for problem in models.family(m).validate(m) + (gdn.config_problems(m) if "gdn" in pattern else []):
         need(False, problem)
-    need(m.vocab_size >= 50257, f"model.vocab_size={m.vocab_size} is below GPT-2's 50,257 tokens")
     # The summary (the training loop's FLOPs, the budget) counts every parameter in the row
     # its family declares: a path it cannot place fails here, not after the run's first write.
     for problem in models.accounting_problems(m):
@@ -237,6 +247,28 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
              f"mesh.expert={cfg.mesh.expert} with model.moe.dispatch={m.moe.dispatch!r}: only the grouped "
              "dispatch sends tokens to experts on other devices; use model.moe.dispatch=grouped (or auto)")
     return cfg
+
+
+def _resolve_vocab(cfg, need):
+    """model.vocab_size from data.tokenizer (in place): its entries rounded up to
+    model.vocab_multiple. A config that names a size of its own must name that one."""
+    from onona_jax import tokenizer as tokenizer_lib
+
+    m = cfg.model
+    need(isinstance(m.vocab_multiple, int) and m.vocab_multiple > 0,
+         f"model.vocab_multiple={m.vocab_multiple} must be a positive integer (table rows are the tokenizer's "
+         "entries rounded up to it; 128 tiles the projection evenly)")
+    try:
+        tok = tokenizer_lib.from_config(cfg.data)
+    except (ValueError, OSError) as err:
+        need(False, str(err))
+    want = tok.padded_vocab(m.vocab_multiple)
+    if not m.vocab_size:
+        m.vocab_size = want
+    need(m.vocab_size == want,
+         f"model.vocab_size={m.vocab_size} disagrees with data.tokenizer={cfg.data.tokenizer!r}: {tok.describe()} "
+         f"rounded up to model.vocab_multiple={m.vocab_multiple} is {want}; leave model.vocab_size at 0 (it follows "
+         f"the tokenizer) or set {want}")
 
 
 def _validate_training(cfg, need, defaults):

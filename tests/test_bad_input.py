@@ -147,9 +147,9 @@ def test_kv_heads_not_divisible_by_tensor_axis(tiny_data, tmp_path):
 
 def test_vocab_not_divisible_by_tensor_axis(tiny_data, tmp_path):
     cfg = tiny_config(tiny_data, "standard")
-    cfg.model.vocab_size = 50305  # valid (>= 50,257) but odd
+    cfg.model.update(vocab_size=0, vocab_multiple=1)  # GPT-2's 50,257 rows unpadded: valid but odd
     cfg.mesh.update(data=4, fsdp=1, tensor=2)
-    assert_rejected(cfg, tmp_path, "(vocab)", "50305", "not divisible", "tensor", "size 2", "vocab_size divisible")
+    assert_rejected(cfg, tmp_path, "(vocab)", "50257", "not divisible", "tensor", "size 2", "vocab_size divisible")
 
 
 @pytest.mark.parametrize("global_batch,micro_batch,data", [(12, 1, 8), (8, 2, 8), (8, 3, 1)])
