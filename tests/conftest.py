@@ -114,3 +114,19 @@ def fake_gcs(_gcs_emulator, monkeypatch):
     bucket = _gcs_emulator.new_bucket()
     yield f"gs://{bucket}"
     _gcs_emulator.empty(bucket)
+
+
+@pytest.fixture(scope="session")
+def bpe_4k(tmp_path_factory):
+    """A HF tokenizer folder: byte-level BPE of 4,096 entries trained on the bundled corpus (~1 s)."""
+    from bpe import train_bpe
+
+    return train_bpe(tmp_path_factory.mktemp("bpe_4k"), 4096)
+
+
+@pytest.fixture(scope="session")
+def bpe_70k(tmp_path_factory):
+    """A HF tokenizer folder: byte-level BPE past 65,536 entries (uint32 shards; ~12 s)."""
+    from bpe import train_bpe
+
+    return train_bpe(tmp_path_factory.mktemp("bpe_70k"), 70_000)
