@@ -124,6 +124,41 @@ def _worker(conn, side, specs, threads):
         conn.close()
 
 
+def together(cfg, head, rounds, calls, log) -> dict:
+    """The other harness (issue 30's): both frameworks in THIS process, sharing its threads and
+    its heap (glibc's defaults: no kept memory), each GEMM timed as `calls` back-to-back calls
+    per framework per round, the frameworks alternating within a round; per GEMM, the median
+    over rounds of the per-call time and of the round's JAX/torch ratio."""
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    specs = gemms(cfg, head)
+    fns = {"jax": _jax_fns(specs), "torch": _torch_fns(specs)}
+    for side in fns:
+        for f in fns[side]:
+            f()
+    rows = []
+    for k, g in enumerate(specs):
+        per = {"jax": [], "torch": []}
+        for r in range(rounds):
+            for side in (("jax", "torch") if r % 2 == 0 else ("torch", "jax")):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fns[side][k]()
+                per[side].append((time.perf_counter() - t0) / calls)
+        row = dict(g)
+        for side in per:
+            row[f"{side}_s"] = statistics.median(per[side])
+            row[f"{side}_total_s"] = row[f"{side}_s"] * g[side][1]
+            row[f"{side}_gflops"] = 2 * g[side][0] * g["i"] * g["o"] / row[f"{side}_s"] / 1e9
+        row["paired_ratio"] = statistics.median(j / t for j, t in zip(per["jax"], per["torch"]))
+        rows.append(row)
+        log(f"  {g['name']}: jax {row['jax_s'] * 1e3:.2f} ms, torch {row['torch_s'] * 1e3:.2f} ms, "
+            f"paired {row['paired_ratio']:.2f}")
+    return {"rows": rows, "jax_total_s": sum(r["jax_total_s"] for r in rows),
+            "torch_total_s": sum(r["torch_total_s"] for r in rows), "threads": len(os.sched_getaffinity(0))}
+
+
 def measure(cfg, head, rounds, log) -> dict:
     specs = gemms(cfg, head)
     threads = len(os.sched_getaffinity(0))
@@ -168,6 +203,11 @@ def define(fv, argv):
 
     common.refuse_set(argv)
     flags.DEFINE_integer("rounds", 9, "rounds of every GEMM on each side", flag_values=fv)
+    flags.DEFINE_enum("harness", "apart", ["apart", "together", "both"],
+                      "apart: each framework in its own process keeping freed memory, one call per GEMM a round "
+                      "(the default); together: both in this process, --calls calls per GEMM a round, alternating; "
+                      "both: the two, one after the other", flag_values=fv)
+    flags.DEFINE_integer("calls", 5, "calls per GEMM per round of --harness=together", flag_values=fv)
     flags.DEFINE_integer("step_rounds", 0, "also time the whole step (peer.measure) over this many paired rounds",
                          flag_values=fv)
     return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
@@ -185,9 +225,19 @@ def _main(fv, rest, argv):
         raise cli.UsageError(f"model.arch={cfg.model.arch!r}, model.head={head!r}: the GEMM list is the dense "
                              f"Qwen3 body's under the {' or '.join(peer.HEADS)} head")
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
-    res = measure(cfg, head, fv.rounds, common.log)
-    print(f"GEMMs of a {head} train step, median of {fv.rounds} rounds, {res['threads']} threads")
-    print(format_result(res))
+    if fv.harness in ("apart", "both"):
+        res = measure(cfg, head, fv.rounds, common.log)
+        print(f"GEMMs of a {head} train step, apart (a process each, freed memory kept), median of {fv.rounds} "
+              f"rounds, {res['threads']} threads")
+        print(format_result(res))
+    if fv.harness in ("together", "both"):
+        res2 = together(cfg, head, fv.rounds, fv.calls, common.log)
+        print(f"GEMMs of a {head} train step, together (one process, {fv.calls} calls a round, alternating), "
+              f"median of {fv.rounds} rounds, {res2['threads']} threads")
+        print(format_result(res2))
+        print("  paired JAX/torch time per GEMM: " + ", ".join(f"{r['name']} {r['paired_ratio']:.2f}"
+                                                          for r in res2["rows"]))
+        res = res if fv.harness == "both" else res2
     if fv.step_rounds > 0:
         step = peer.measure(spec, overrides, [head], ["jax", "torch_compile"],
                             fv.step_rounds, 3, "fused", common.log, keep_memory=True)  # as the GEMMs ran
