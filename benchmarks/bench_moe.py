@@ -84,7 +84,7 @@ def _main(fv, args):
     out = {"backend": jax.default_backend(), "devices": jax.device_count(), "results": {}}
     for name in fv.shapes:
         res = out["results"][name] = bench(name, fv.reps)
-        print(json.dumps({name: res}), flush=True)
+        common.log(json.dumps({name: res}))  # progress; stdout holds the one JSON of all
     out["machine"] = common.record()
     print(json.dumps(out, indent=2))
 
