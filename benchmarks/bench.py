@@ -42,7 +42,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform as host_platform
 import statistics
 import sys
 import tempfile
@@ -55,6 +54,7 @@ import numpy as np
 
 from absl import flags
 
+import common  # benchmarks/common.py, beside this script
 from onona_jax import chips, cli
 from onona_jax import config as config_lib
 from onona_jax import summary
@@ -627,9 +627,7 @@ def _main(fv, rest, argv):
     res = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python benchmarks/bench.py " + " ".join(argv),
-        "machine": {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-                    "devices": jax.device_count(), "cpus": os.cpu_count(),
-                    "host": host_platform.platform(), "jax": jax.__version__},
+        "machine": common.record(),  # again when written: the load after
         "default_chunk": default_chunk(),
         "overrides": OVERRIDES,
     }
@@ -670,6 +668,7 @@ def _main(fv, rest, argv):
         for k, v in res["targets"].items()))
     print("\n\n".join(tables))
     if args.output:
+        res["machine"] = common.record()
         with open(args.output, "w") as f:
             json.dump(res, f, indent=2, default=str)
         log(f"wrote {args.output}")
@@ -677,7 +676,7 @@ def _main(fv, rest, argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from onona_jax import cli, config
+import common  # benchmarks/common.py, beside this script
+from onona_jax import config
 from onona_jax.models import moe
 from onona_jax.params import abstract_state, init_params
 
@@ -83,9 +84,10 @@ def _main(fv, args):
     out = {"backend": jax.default_backend(), "devices": jax.device_count(), "results": {}}
     for name in fv.shapes:
         res = out["results"][name] = bench(name, fv.reps)
-        print(json.dumps({name: res}), flush=True)
+        common.log(json.dumps({name: res}))  # progress; stdout holds the one JSON of all
+    out["machine"] = common.record()
     print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__, json_stdout=True))

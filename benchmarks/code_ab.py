@@ -115,10 +115,10 @@ def _main(fv, rest, argv):
 
 
 def main(argv=None) -> int:
-    from onona_jax import cli
+    import common
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,24 @@
 """What the benchmark scripts share (benchmarks/ is outside the package; a script imports this
-module from beside it): onona-jax's train step on one device at a config of the command line,
-the allocator setting of the CPU comparisons, and spawned worker processes stepped in paired
-rounds.
+module from beside it): the machine a figure was measured on, onona-jax's train step on one
+device at a config of the command line, the allocator setting of the CPU comparisons, and
+spawned worker processes stepped in paired rounds.
 
 Every script here follows the package's command-line convention (onona_jax/cli.py):
 `cli.run`, `--config=<file>.py:<arg>` with `--config.<key>=<value>` overrides where it takes
 a config, one `error:` line and exit status 2 for bad usage, 1 for an anticipated failure.
+
+Every script runs through `run` (this module's `cli.run`): it prints the machine's line first
+and the load average last, and every JSON a script prints or writes holds `record()` under
+"machine" (docs/PERFORMANCE.md: a CPU figure without its machine misleads).
 """
 
 from __future__ import annotations
 
 import ast
+import datetime
 import os
+import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +37,164 @@ def cpu_only() -> None:
 def log(msg: str) -> None:
     """Progress to stderr, so stdout holds only the results."""
     print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the machine
+
+# The x86 extensions a GEMM's speed turns on, in /proc/cpuinfo's spelling: AVX2/FMA (every
+# x86 server since 2013), AVX-512 with its bf16 and int8 dot products (Intel since Cooper
+# Lake/Ice Lake, AMD since Zen 4), AVX-VNNI (AVX2-width int8 dots) and AMX (Intel's tile
+# units, Sapphire Rapids on). The onona-jax vs torch.compile ranking on the CPU flips between
+# an AVX2-only Zen 1 and an AVX-512/bf16 Zen 4 (docs/PERFORMANCE.md).
+GEMM_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile", "amx_int8")
+
+
+def parse_cpuinfo(text: str) -> dict:
+    """The CPU of /proc/cpuinfo `text` (its first processor): {"cpu": model name, "vendor",
+    "family", "model" (numbers: a VM may name its CPU only "AMD EPYC"), "isa": the GEMM_FLAGS
+    present, in that order, "virtualized": the "hypervisor" flag}; None where a field is absent
+    (an ARM cpuinfo has no model name)."""
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block is enough: all cores are the same CPU here
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    number = lambda key: int(fields[key]) if fields.get(key, "").isdigit() else None  # noqa: E731
+    return {"cpu": fields.get("model name"), "vendor": fields.get("vendor_id"), "family": number("cpu family"),
+            "model": number("model"), "isa": [f for f in GEMM_FLAGS if f in flags],
+            "virtualized": "hypervisor" in flags}
+
+
+def parse_lscpu_hypervisor(text: str) -> str | None:
+    """lscpu's "Hypervisor vendor:" (KVM, Microsoft, Xen, VMware...; read from CPUID, so it
+    works inside a container too), None where it names none."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "Hypervisor vendor" and value.strip():
+            return value.strip()
+    return None
+
+
+def parse_meminfo_gib(text: str) -> float | None:
+    """MemTotal of /proc/meminfo `text` in GiB (two decimals)."""
+    for line in text.splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 2)  # kB
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:  # not Linux: the fields stay None
+        return ""
+
+
+def _version(dist: str) -> str | None:
+    """An installed distribution's version without importing it (torch takes seconds and
+    threads; a benchmark that does not run it should not pay them)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _hypervisor(virtualized: bool) -> str | None:
+    if not virtualized:
+        return None
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return parse_lscpu_hypervisor(out) or "unknown"  # a VM whose hypervisor lscpu does not name
+
+
+def machine() -> dict:
+    """The machine this process runs on, now: the CPU (parse_cpuinfo), "cores" usable by this
+    process and "cpu_count" of the host, "hypervisor" (None: the CPU reports none), memory,
+    "load_before" (the 1/5/15-minute load averages), the versions of jax, jaxlib and torch
+    (None: not installed), and, only where jax is already imported (so a script whose parent
+    process runs no jax initialises no backend), jax's backend, device kind and device count."""
+    m = parse_cpuinfo(_read("/proc/cpuinfo"))
+    if m["cpu"] is None:
+        m["cpu"] = platform.processor() or platform.machine()
+    m.update(
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        cpu_count=os.cpu_count(), hypervisor=_hypervisor(m.pop("virtualized")),
+        memory_gib=parse_meminfo_gib(_read("/proc/meminfo")), load_before=list(os.getloadavg()),
+        jax=_version("jax"), jaxlib=_version("jaxlib"), torch=_version("torch"),
+        python=platform.python_version(), host=platform.platform(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    if "jax" in sys.modules:
+        jax = sys.modules["jax"]
+        m.update(backend=jax.default_backend(), device=jax.devices()[0].device_kind, devices=jax.device_count())
+    return m
+
+
+def machine_line(m: dict) -> str:
+    """`m` (machine()) on one line: "AMD EPYC (family 23 model 1) · avx2 fma, no avx512 · 2 cores ·
+    KVM · 23.54 GiB · load 0.30 · jax 0.10.2 jaxlib 0.10.2 torch 2.13.0+cpu"."""
+    cpu = m["cpu"] or "CPU unknown"
+    if m.get("family") is not None:
+        cpu += f" (family {m['family']} model {m['model']})"
+    isa = " ".join(m["isa"]) or "no avx2"
+    if m["isa"] and "avx512f" not in m["isa"]:
+        isa += ", no avx512"
+    cores = f"{m['cores']} cores" if m["cores"] == m["cpu_count"] else f"{m['cores']} of {m['cpu_count']} cores"
+    parts = [cpu, isa, cores]
+    if m.get("hypervisor"):
+        parts.append(m["hypervisor"] if m["hypervisor"] != "unknown" else "VM (hypervisor unknown)")
+    if m.get("memory_gib") is not None:
+        parts.append(f"{m['memory_gib']:.1f} GiB")
+    parts.append(f"load {m['load_before'][0]:.2f}")
+    parts.append(" ".join(f"{k} {m[k]}" for k in ("jax", "jaxlib", "torch") if m.get(k)))
+    if m.get("backend"):
+        parts.append(f"jax backend {m['backend']}" + (f" ({m['device']})" if m["device"] != m["backend"] else ""))
+    return " · ".join(parts)
+
+
+def load_line(before, after) -> str:
+    """The load averages (1/5/15 min) before and after a run, on one line."""
+    fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    return f"load average (1/5/15 min) after {fmt(after)} (before {fmt(before)})"
+
+
+MACHINE: dict = {}  # this process's machine as `run` found it before the script's work
+
+
+def record() -> dict:
+    """The machine for a script's JSON: `run`'s record, with "load_after" now (a JSON is written
+    when the measuring is done)."""
+    if not MACHINE:
+        raise RuntimeError("common.record() outside common.run: run the script's main through common.run, "
+                           "which records the machine before the work")
+    return {**MACHINE, "load_after": list(os.getloadavg())}
+
+
+def run(define, main, argv=None, doc: str = "", json_stdout: bool = False) -> int:
+    """`cli.run(define, main, argv, doc)` with the machine recorded: once the flags parse, the
+    machine's line (machine_line) and, when `main` returns or fails, the load after; to stdout,
+    where a script prints its results as text, or to stderr where its stdout is JSON
+    (`json_stdout`: the JSON holds record() instead)."""
+
+    def body(fv, rest):
+        stream = sys.stderr if json_stdout else sys.stdout
+        MACHINE.clear()
+        MACHINE.update(machine())
+        print(f"machine: {machine_line(MACHINE)}", file=stream, flush=True)
+        try:
+            return main(fv, rest)
+        finally:
+            print(load_line(MACHINE["load_before"], os.getloadavg()), file=stream, flush=True)
+
+    return cli.run(define, body, argv, doc)
 
 
 # ----------------------------------------------------------------------------- the command line

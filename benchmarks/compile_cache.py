@@ -97,7 +97,7 @@ def _main(fv, rest, argv):
         config_lib.load(fv.aot_config)  # a bad spec: one error line now, not after the train.py starts
     spec = common.config_args(fv, argv, DEFAULT_CONFIG)[0]
     config_args = [f"--config={spec}", *(a for a in argv if a.startswith("--config."))]  # as train.py parses them
-    result = {"date": time.strftime("%Y-%m-%d"), "load_average": os.getloadavg()[0], "cpus": os.cpu_count()}
+    result = {"date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory(prefix="onona-compile-cache-") as tmp:
         cache = os.path.join(tmp, "cache")
         first = train_start(config_args, cache, os.path.join(tmp, "a"), "")
@@ -110,12 +110,13 @@ def _main(fv, rest, argv):
             result["aot"] = {"config": fv.aot_config, "topology": fv.aot_topology,
                              "first": aot_start(fv, aot_cache), "second": aot_start(fv, aot_cache),
                              "cache_entries": sorted(os.listdir(aot_cache))}
+    result["machine"] = common.record()
     print(json.dumps(result, indent=2))
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__, json_stdout=True)
 
 
 if __name__ == "__main__":

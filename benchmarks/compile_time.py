@@ -13,7 +13,8 @@ import time
 import jax
 from absl import flags
 
-from onona_jax import cli, config
+import common  # benchmarks/common.py, beside this script
+from onona_jax import config
 from onona_jax import train as trainer
 
 
@@ -41,9 +42,10 @@ def _main(fv, args):
         cfg.model.scan_layers = scan
         cfg.train.global_batch = cfg.train.micro_batch = fv.micro_batch
         out["scan" if scan else "loop"] = round(compile_seconds(config.validate(cfg)), 1)
-    out.update(config=fv.config.name, layers=cfg.model.n_layers, backend=jax.default_backend())
+    out.update(config=fv.config.name, layers=cfg.model.n_layers, backend=jax.default_backend(),
+               machine=common.record())
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__, json_stdout=True))

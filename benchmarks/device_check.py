@@ -42,6 +42,7 @@ import numpy as np
 from absl import flags
 
 import bench  # benchmarks/bench.py, beside this script
+import common  # benchmarks/common.py, beside this script
 from onona_jax import cli, summary
 from onona_jax import train as trainer
 
@@ -133,6 +134,7 @@ def markdown(res) -> str:
              f"{m['device']} ({m['backend']}), jax {m['jax']}; {res['size']} Dense (and MoE, GDN rows), micro-batch "
              f"{res['batch']} × {res['seq_len']}, {res['steps']} timed steps after 2 warm-up"
              + (" — DRY RUN (tiny shapes)" if res["dry_run"] else ""), "",
+             f"Machine: {common.machine_line(m)}; load after {m['load_after'][0]:.2f}", "",
              "| head | variant | tokens/s | MFU (causal) | MFU (full square) | median step ms | XLA peak GiB | XLA temp GiB | allocator peak GiB | compile s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["train"].items():
@@ -157,6 +159,7 @@ def markdown(res) -> str:
 
 
 def write(res, out_dir):
+    res["machine"] = common.record()  # the load after: a written file may be the run's last
     with open(os.path.join(out_dir, "device_check.json"), "w") as f:
         json.dump(res, f, indent=2, default=str)
     with open(os.path.join(out_dir, "device_check.md"), "w") as f:
@@ -185,8 +188,7 @@ def _main(args, rest, argv):
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "python benchmarks/device_check.py " + " ".join(argv),
            "dry_run": args.dry_run, "size": size, "batch": batch, "seq_len": seq, "steps": steps,
-           "machine": {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-                       "jax": jax.__version__}, "train": {}, "decode": None}
+           "machine": common.record(), "train": {}, "decode": None}
     from onona_jax.data import pipeline
 
     tokens = np.asarray(next(pipeline.train_batches(bench.prepared_data(seq), seq, batch)))
@@ -214,7 +216,7 @@ def _main(args, rest, argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
 
 
 if __name__ == "__main__":

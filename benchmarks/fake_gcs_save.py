@@ -27,6 +27,7 @@ from absl import flags  # noqa: E402
 
 import fake_gcs  # noqa: E402
 from conftest import tiny_config  # noqa: E402
+import common  # noqa: E402 - benchmarks/common.py, beside this script
 from onona_jax import cli  # noqa: E402
 from onona_jax import train as trainer  # noqa: E402
 from onona_jax.checkpoint import Checkpoints  # noqa: E402
@@ -71,4 +72,4 @@ def _main(args, rest):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__))

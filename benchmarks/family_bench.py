@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from absl import flags
 
+import common  # benchmarks/common.py, beside this script
 from onona_jax import cli, config, summary
 from onona_jax import train as trainer
 
@@ -155,16 +156,14 @@ def _main(fv, args):
     if fv.output:
         meta = dict(
             date=datetime.date.today().isoformat(), command=" ".join(["python", *sys.argv]),
-            size=fv.size, steps=fv.steps, warmup=fv.warmup, backend=jax.default_backend(),
-            device=jax.devices()[0].device_kind, cpu_count=os.cpu_count(),
-            cpus_usable=len(os.sched_getaffinity(0)), jax=jax.__version__,
+            size=fv.size, steps=fv.steps, warmup=fv.warmup, machine=common.record(),
         )
         with open(fv.output, "w") as f:
             json.dump({**meta, "rows": rows, "markdown": table}, f, indent=2)
 
 
 def main(argv=None) -> int:
-    return cli.run(define, _main, argv, __doc__)
+    return common.run(define, _main, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from absl import flags
 
+import common  # benchmarks/common.py, beside this script
 from onona_jax import cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1191,4 +1192,4 @@ def _battery(fv, chosen, root: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__))

@@ -23,7 +23,7 @@ import time
 
 from absl import flags
 
-from onona_jax import cli
+import common  # benchmarks/common.py, beside this script
 
 _DOT = re.compile(r"=\s*\S+\s+(dot|convolution)\(")
 
@@ -100,11 +100,11 @@ def _main(fv, args):
         # other jobs on a shared host; the 1-minute load average before and after
         "compile_cpu_s": round(cpu, 1), "load": [round(load, 2), round(os.getloadavg()[0], 2)],
         "temporaries_mib": round(mem.temp_size_in_bytes / 2**20, 1), "total_mib": round(total / 2**20, 1),
-        **dot_precisions(compiled.as_text()),
+        **dot_precisions(compiled.as_text()), "machine": common.record(),
     }))
 
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: libtpu serves the topology
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__, json_stdout=True))

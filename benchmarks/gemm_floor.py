@@ -251,7 +251,7 @@ def _main(fv, rest, argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
 
 
 if __name__ == "__main__":

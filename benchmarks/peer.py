@@ -46,7 +46,6 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import platform as host_platform
 import statistics
 import sys
 import tempfile
@@ -382,18 +381,15 @@ def _main(fv, rest, argv):
     cli.check_output_file(fv.output, "peer.json")  # found now, not after minutes of compiling
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the workers inherit it: idle torch threads sleep
     log = common.log
-    load_before = os.getloadavg()
     res = measure(spec, overrides, heads, kinds, fv.rounds, fv.warmup, fv.adamw, log, fv.xla_flags, fv.keep_freed_memory)
     import jax
     import torch
     import transformers
 
     res.update(date=datetime.date.today().isoformat(), command="python benchmarks/peer.py " + " ".join(argv),
-               machine={"cpus": len(os.sched_getaffinity(0)), "host": host_platform.platform(),
-                        "load_before": load_before, "load_after": os.getloadavg()},
+               machine=common.record(),
                versions={"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__})
     print(format_result(res))
-    print(f"load average (1/5/15 min) before {load_before}, after {res['machine']['load_after']}")
     if fv.output:
         paths.write_json(fv.output, res)
         log(f"wrote {fv.output}")
@@ -401,7 +397,7 @@ def _main(fv, rest, argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return cli.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
 
 
 if __name__ == "__main__":

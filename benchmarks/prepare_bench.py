@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
-import os
 import re
 import resource
 import shutil
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from absl import flags
 
+import common  # benchmarks/common.py, beside this script
 from onona_jax import cli
 from onona_jax.data.prepare import prepare
 from onona_jax.tokenizer import bundled_corpus_path
@@ -80,7 +80,6 @@ def _main(fv, rest):
     args = fv
     workers = [int(w) for w in fv.workers]
 
-    load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="prepare-bench-"))
     try:
         src = make_corpus(tmp, args.copies, args.format)
@@ -102,12 +101,10 @@ def _main(fv, rest):
                 print(f"round {r}: workers={w}: {tokens / dt / 1e6:.3f} M tokens/s ({dt:.2f} s)", file=sys.stderr)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    load_after = os.getloadavg()
 
     base = workers[0]
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "cpus": len(os.sched_getaffinity(0)),
         "format": args.format,
         "tokens": tokens,
         "rounds": args.rounds,
@@ -115,17 +112,15 @@ def _main(fv, rest):
         "speedup_per_round": {w: [a / b for a, b in zip(v, rates[base])] for w, v in rates.items()},
         # CPU seconds (main process, workers) per run: how the work divides, independent of other load.
         "cpu_s_main_workers": cpu,
-        "load_before": load_before,
-        "load_after": load_after,
         "bit_identical": len(digests) == 1,
+        "machine": common.record(),
     }
-    print(f"corpus: {tokens:,} tokens ({args.format}), {result['cpus']} CPUs, {args.rounds} paired rounds")
+    print(f"corpus: {tokens:,} tokens ({args.format}), {result['machine']['cores']} CPUs, {args.rounds} paired rounds")
     for w in workers:
         sp = result["speedup_per_round"][w]
         print(f"workers={w}: {result['tokens_per_s_median'][w] / 1e6:.3f} M tokens/s (median); "
               f"speed-up over workers={base} per round: {', '.join(f'{x:.2f}' for x in sp)}; CPU s (main, workers) "
               f"per run: {', '.join(f'({a:.2f}, {b:.2f})' for a, b in cpu[w])}")
-    print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     print(f"all arms wrote bit-identical shards: {result['bit_identical']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -134,4 +129,4 @@ def _main(fv, rest):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__))

@@ -19,6 +19,7 @@ import tempfile
 
 from absl import flags
 
+import common  # benchmarks/common.py, beside this script
 from onona_jax import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,4 +85,4 @@ def _main(fv, rest):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__))

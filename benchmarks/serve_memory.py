@@ -22,6 +22,7 @@ import tempfile
 
 from absl import flags
 
+import common  # benchmarks/common.py, beside this script
 from onona_jax import cli
 from onona_jax import config as config_lib
 
@@ -83,7 +84,7 @@ def _main(fv, args):
     gib = 2.0 ** 30
     res = dict(config=cfg.name, param_bytes=param_bytes, **m,
                peak_over_params=(m["peak"] - m["baseline"]) / param_bytes,
-               held_over_params=m["held"] / param_bytes)
+               held_over_params=m["held"] / param_bytes, machine=common.record())
     print(f"{cfg.name}: parameters {param_bytes / gib:.3f} GiB (fp32)")
     print(f"  peak − baseline during Server.from_workdir: {(m['peak'] - m['baseline']) / gib:.3f} GiB "
           f"= {res['peak_over_params']:.3f} × the parameters (target ≤ 1.2)")
@@ -94,4 +95,4 @@ def _main(fv, args):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(define, _main, None, __doc__))
+    sys.exit(common.run(define, _main, None, __doc__))
