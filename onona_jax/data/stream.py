@@ -13,8 +13,9 @@ so windows that share a block, or sequential windows, do not fetch it again.
 
 What a host reads: its windows rounded out to whole blocks, so about its share of the data times
 (1 + block_bytes / (width * (seq_len + 1))), width the token's bytes (2 for uint16 shards, 4 for
-uint32: the manifest's dtype): blocks should be small next to a window (prepare's --block_bytes). A manifest without block hashes (prepared before they existed) is refused with
-the fix; it is never read unverified.
+uint32: the manifest's dtype): blocks should be small next to a window (prepare's --block_bytes).
+A manifest without block hashes (prepared before they existed) is refused with the fix; it is
+never read unverified.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class StreamStore:
                 raise _no_block_hashes(data_dir, s)
             size = storage.shard_bytes(manifest, s)
             nblocks = -(-size // s["block_bytes"])
-            if s["block_bytes"] < width or s["block_bytes"] % width or len(s["block_sha256"]) != nblocks * BLOCK_HASH_HEX:
+            whole = s["block_bytes"] >= width and s["block_bytes"] % width == 0
+            if not whole or len(s["block_sha256"]) != nblocks * BLOCK_HASH_HEX:
                 raise ValueError(f"{manifest_path} lists {len(s['block_sha256']) // BLOCK_HASH_HEX} block hashes of "
                                  f"{s['block_bytes']} bytes for shard {s['file']} of {size} bytes; the "
                                  f"manifest is damaged: {storage.prepare_hint(data_dir)} again")
