@@ -22,6 +22,7 @@ from onona_jax import tokenizer as tokenizer_lib
 from onona_jax.data import pipeline, storage
 from onona_jax.data.prepare import _doc_hash, main as prepare_main, prepare
 from onona_jax.data.stream import StreamStore
+from test_prepare_formats import bucket, upload  # noqa: F401 - the fixture
 from test_reliability import errors
 
 HELDOUT = 0.1
@@ -129,6 +130,20 @@ def test_prepare_past_65536_entries_writes_uint32_read_alike_by_every_reader(dat
                   shard_tokens=3_001, block_bytes=4 * 37, workers=1)
     assert one["splits"] == m["splits"]  # each shard's sha256 and block hashes: the same bytes
     assert storage.data_identity(d.parent / "one") == storage.data_identity(d)
+
+
+def test_uint32_bucket_data_copied_or_streamed_reads_as_local(data_70k, bpe_70k, bucket, tmp_path):
+    """A bucket copy of the uint32 data: the cache's copy (sizes 4 bytes a token, each shard's
+    sha256 checked) and the streamed reads (37-token blocks) give the local tokens."""
+    d, m, _ = data_70k
+    url = "gs://bucket/data_70k"
+    upload(d, url)
+    local = pipeline.TokenStore(d, "train")
+    data = pipeline.open_for_training(url, 63, 3, cache_dir=str(tmp_path / "cache"), tokenizer=data_cfg(bpe_70k))
+    assert data.train.dtype == np.uint32 and np.array_equal(data.train.read(0, len(local)), local.read(0, len(local)))
+    streamed = pipeline.open_store(url, "train", bucket_read="stream")
+    assert isinstance(streamed, StreamStore) and np.array_equal(streamed.read(0, len(local)), local.read(0, len(local)))
+    assert np.array_equal(data.val_windows, pipeline.validation_windows(d, 63, 3))
 
 
 def test_block_bytes_must_hold_whole_uint32_tokens(bpe_70k, tmp_path):
