@@ -268,7 +268,10 @@ def test_evaluation_refuses_held_out_data_of_another_tokenizer(tiny_data, bpe_4k
 
     cfg = config_for(tiny_data, bpe_4k)
     with pytest.raises(ValueError, match=rf"^data dir {tiny_data} was prepared with tokenizer gpt2 \(gpt2, 50,257 "
-                                         rf"entries, .*; this run's data.tokenizer is {bpe_4k} "):
+                                         rf"entries, .*; this run's data.tokenizer is {bpe_4k} .*: the model was "
+                                         rf"trained with {bpe_4k}: prepare its data.dir again with it, `python -m "
+                                         rf"onona_jax.data.prepare --tokenizer={bpe_4k} --input <text files> "
+                                         rf"--output {tiny_data}`$"):
         validation.validation("unused", loaded=(None, 1, cfg, None))
 
 

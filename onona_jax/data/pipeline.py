@@ -40,10 +40,11 @@ def _describe(identity: dict) -> str:
     return f"{identity.get('name')}, {identity.get('vocab', 0):,} entries, sha256 {str(identity['sha256'])[:12]}…"
 
 
-def check_tokenizer(data_dir, manifest: dict, data) -> None:
+def check_tokenizer(data_dir, manifest: dict, data, trained: bool = False) -> None:
     """Refuse a data dir prepared with another tokenizer than `data.tokenizer` (with data.eot,
     data.tokenizer_pattern, data.special_tokens: `data` is a config's data group or a dict of
-    those keys): one ValueError naming both and the two fixes. Before any shard is read."""
+    those keys): one ValueError naming both and the fixes (for a `trained` model, evaluated, only
+    data of its own tokenizer will do). Before any shard is read."""
     tok = tokenizer_lib.from_config(data)
     theirs = tokenizer_lib.manifest_identity(manifest)
     if tokenizer_lib.same(theirs, tok.identity()):
@@ -52,7 +53,10 @@ def check_tokenizer(data_dir, manifest: dict, data) -> None:
     recorded = theirs.get("config") or ({"tokenizer": tokenizer_lib.DEFAULT} if theirs.get("kind") == "gpt2" else {})
     use_theirs = (f"set {_flags(recorded, '--config.data.')}" if recorded else
                   "set --config.data.tokenizer to the tokenizer that made it")
-    if tok.kind == "size":
+    if trained:
+        fix = (f"the model was trained with {ours['tokenizer']}: prepare its data.dir again with it, "
+               f"`python -m onona_jax.data.prepare {_flags(ours, '--')} --input <text files> --output {data_dir}`")
+    elif tok.kind == "size":
         fix = (f"data.tokenizer={tok.spec} names a vocabulary size only (for planning), not a tokenizer data can be "
                f"read with: {use_theirs}")
     else:
@@ -321,11 +325,12 @@ def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int
                        bucket_read: str = "copy", *, manifest: tuple[bytes, dict] | None = None,
                        model_vocab: int | None = None, tokenizer=None) -> np.ndarray:
     """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order
-    (`manifest`, `model_vocab`: see `open_store`). `tokenizer`: the run's data group (cfg.data),
-    whose tokenizer must be the data's (`check_tokenizer`), checked before any shard is read."""
+    (`manifest`, `model_vocab`: see `open_store`). `tokenizer`: the data group (cfg.data) of the
+    trained run being evaluated, whose tokenizer must be the data's (`check_tokenizer`), checked
+    before any shard is read."""
     if tokenizer is not None:
         manifest = manifest or storage.read_manifest(data_dir)
-        check_tokenizer(data_dir, manifest[1], tokenizer)
+        check_tokenizer(data_dir, manifest[1], tokenizer, trained=True)
     store = open_store(data_dir, "heldout", vocab_size, cache_dir, bucket_read, manifest=manifest,
                        model_vocab=model_vocab)
     source = WindowSource(store, seq_len)
