@@ -10,6 +10,7 @@ import grain
 import numpy as np
 
 from onona_jax import paths
+from onona_jax import tokenizer as tokenizer_lib
 from onona_jax.data import storage
 from onona_jax.data.prepare import FORMAT_VERSION, prepare
 from onona_jax.tokenizer import bundled_corpus_path
@@ -21,11 +22,72 @@ def _prepare_hint(data_dir: Path) -> str:
     return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
 
 
+TOKENIZER_KEYS = ("tokenizer", "eot", "tokenizer_pattern", "special_tokens")  # of the config's data group
+
+
+def _settings(data) -> dict:
+    """The non-empty tokenizer settings of a config's data group (or a manifest's record of them)."""
+    return {k: str(data.get(k) or "") for k in TOKENIZER_KEYS if data.get(k)} or {"tokenizer": tokenizer_lib.DEFAULT}
+
+
+def _flags(settings: dict, prefix: str) -> str:
+    return " ".join(f"{prefix}{k}={v}" for k, v in settings.items())
+
+
+def _describe(identity: dict) -> str:
+    if not identity.get("sha256"):
+        return "its manifest names no tokenizer"
+    return f"{identity.get('name')}, {identity.get('vocab', 0):,} entries, sha256 {str(identity['sha256'])[:12]}…"
+
+
+def check_tokenizer(data_dir, manifest: dict, data, trained: bool = False) -> None:
+    """Refuse a data dir prepared with another tokenizer than `data.tokenizer` (with data.eot,
+    data.tokenizer_pattern, data.special_tokens: `data` is a config's data group or a dict of
+    those keys): one ValueError naming both and the fixes (for a `trained` model, evaluated, only
+    data of its own tokenizer will do). Before any shard is read."""
+    tok = tokenizer_lib.from_config(data)
+    theirs = tokenizer_lib.manifest_identity(manifest)
+    if tokenizer_lib.same(theirs, tok.identity()):
+        return
+    ours = _settings(data)
+    recorded = theirs.get("config") or ({"tokenizer": tokenizer_lib.DEFAULT} if theirs.get("kind") == "gpt2" else {})
+    use_theirs = (f"set {_flags(recorded, '--config.data.')}" if recorded else
+                  "set --config.data.tokenizer to the tokenizer that made it")
+    if trained:
+        fix = (f"the model was trained with {ours['tokenizer']}: prepare its data.dir again with it, "
+               f"`python -m onona_jax.data.prepare {_flags(ours, '--')} --input <text files> --output {data_dir}`")
+    elif tok.kind == "size":
+        fix = (f"data.tokenizer={tok.spec} names a vocabulary size only (for planning), not a tokenizer data can be "
+               f"read with: {use_theirs}")
+    else:
+        fix = (f"re-run `python -m onona_jax.data.prepare {_flags(ours, '--')} --input <text files> --output <dir>` "
+               f"and train on that, or {use_theirs}")
+    raise ValueError(f"data dir {data_dir} was prepared with tokenizer {recorded.get('tokenizer', '?')} "
+                     f"({_describe(theirs)}); this run's data.tokenizer is {ours['tokenizer']} ({tok.describe()}): "
+                     f"{fix}")
+
+
+def _bound_owner(manifest: dict, bound: int) -> str:
+    """Which tokenizer an id bound is: the one the manifest names, or (a smaller bound) the model's table."""
+    identity = tokenizer_lib.manifest_identity(manifest)
+    if bound >= manifest.get("vocab", 0) and identity.get("sha256"):
+        return f"the tokenizer its manifest names ({_describe(identity)})"
+    return f"a tokenizer of at most {bound:,} entries (the model's table)"
+
+
+def id_error(path, token: int, pos: int, bound: int, manifest: dict) -> ValueError:
+    """A shard's token id past the bound (`id_bound`): the data and its manifest, or the model, disagree."""
+    return ValueError(f"shard {path} has token id {token} at position {pos}, >= vocab size {bound}; it was not made "
+                      f"with {_bound_owner(manifest, bound)}: re-run `python -m onona_jax.data.prepare` with the "
+                      "right tokenizer (--tokenizer)")
+
+
 def split_shards(manifest: dict, split: str, manifest_path, d) -> list[dict]:
     """The non-empty shards of `split`, or a ValueError naming what is wrong with the manifest."""
-    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != "uint16":
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") not in storage.DTYPES:
         raise ValueError(f"{manifest_path} has format_version={manifest.get('format_version')}, "
-                         f"dtype={manifest.get('dtype')}; expected {FORMAT_VERSION}, uint16: {_prepare_hint(d)}")
+                         f"dtype={manifest.get('dtype')}; expected {FORMAT_VERSION}, "
+                         f"{' or '.join(storage.DTYPES)}: {_prepare_hint(d)}")
     if split not in manifest["splits"]:
         raise ValueError(f"{manifest_path} has no split {split!r} (has {sorted(manifest['splits'])})")
     shards = [s for s in manifest["splits"][split]["shards"] if s["tokens"] > 0]
@@ -94,18 +156,19 @@ class TokenStore:
         manifest = manifest[1]
         shards = split_shards(manifest, split, manifest_path, d)
         self.data_dir, self.split, self.manifest = d, split, manifest
+        self.dtype = storage.token_dtype(manifest)
         self.vocab_size = id_bound(vocab_size, manifest, model_vocab)
         self.shards: list[np.memmap] = []
         for s in shards:
             path = d / s["file"]
             if not path.is_file():
                 raise ValueError(f"shard {path} listed in {manifest_path} is missing; {_prepare_hint(d)} again")
-            size = path.stat().st_size
-            if size != 2 * s["tokens"]:
-                raise ValueError(f"shard {path} has {size} bytes but the manifest says {s['tokens']} uint16 tokens "
-                                 f"({2 * s['tokens']} bytes); the data dir is incomplete or corrupt: "
+            size, want = path.stat().st_size, storage.shard_bytes(manifest, s)
+            if size != want:
+                raise ValueError(f"shard {path} has {size} bytes but the manifest says {s['tokens']} "
+                                 f"{self.dtype.name} tokens ({want} bytes); the data dir is incomplete or corrupt: "
                                  f"{_prepare_hint(d)} again")
-            arr = np.memmap(path, dtype=np.uint16, mode="r")
+            arr = np.memmap(path, dtype=self.dtype, mode="r")
             self._check_ids(arr, path)
             self.shards.append(arr)
         self.offsets = np.cumsum([0] + [len(a) for a in self.shards])  # stream position of each shard start
@@ -116,9 +179,7 @@ class TokenStore:
             chunk = arr[start : start + _SCAN_CHUNK]
             if int(chunk.max()) >= self.vocab_size:
                 pos = start + int(np.argmax(chunk >= self.vocab_size))
-                raise ValueError(f"shard {path} has token id {int(arr[pos])} at position {pos}, >= vocab size "
-                                 f"{self.vocab_size}; it was not made with the GPT-2 tokenizer: re-run "
-                                 f"`python -m onona_jax.data.prepare` with the right tokenizer")
+                raise id_error(path, int(arr[pos]), pos, self.vocab_size, self.manifest)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -127,7 +188,7 @@ class TokenStore:
         """Copy of tokens[start:stop] of the concatenated stream (may span shards)."""
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"token range [{start}, {stop}) outside stream of {len(self)} tokens")
-        out = np.empty(stop - start, np.uint16)
+        out = np.empty(stop - start, self.dtype)
         i = int(np.searchsorted(self.offsets, start, side="right")) - 1
         pos = start
         while pos < stop:
@@ -262,9 +323,14 @@ def train_batches(
 def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int = 1234,
                        vocab_size: int | None = None, cache_dir: str | None = None,
                        bucket_read: str = "copy", *, manifest: tuple[bytes, dict] | None = None,
-                       model_vocab: int | None = None) -> np.ndarray:
+                       model_vocab: int | None = None, tokenizer=None) -> np.ndarray:
     """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order
-    (`manifest`, `model_vocab`: see `open_store`)."""
+    (`manifest`, `model_vocab`: see `open_store`). `tokenizer`: the data group (cfg.data) of the
+    trained run being evaluated, whose tokenizer must be the data's (`check_tokenizer`), checked
+    before any shard is read."""
+    if tokenizer is not None:
+        manifest = manifest or storage.read_manifest(data_dir)
+        check_tokenizer(data_dir, manifest[1], tokenizer, trained=True)
     store = open_store(data_dir, "heldout", vocab_size, cache_dir, bucket_read, manifest=manifest,
                        model_vocab=model_vocab)
     source = WindowSource(store, seq_len)
@@ -276,13 +342,15 @@ def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int
     return source.windows(ids)
 
 
-def prepare_bundled(data_dir: str | Path, heldout_fraction: float = 0.02) -> str:
+def prepare_bundled(data_dir: str | Path, heldout_fraction: float = 0.02, tokenizer=None) -> str:
     """Prepare the bundled Austen corpus into `data_dir` (local or a bucket) unless it already
-    holds prepared data."""
+    holds prepared data; with `tokenizer` (a config's data group, or a dict of its tokenizer
+    keys) tokenised by data.tokenizer, else by GPT-2's."""
     manifest = paths.join(data_dir, "manifest.json")
     if not paths.isfile(manifest):
         try:
-            prepare([bundled_corpus_path()], os.fspath(data_dir), heldout_fraction=heldout_fraction)
+            prepare([bundled_corpus_path()], os.fspath(data_dir), heldout_fraction=heldout_fraction,
+                    **{k: str(tokenizer.get(k) or "") for k in TOKENIZER_KEYS if tokenizer is not None})
         except (ValueError, OSError):
             if not paths.isfile(manifest):  # else another process prepared it first
                 raise
@@ -290,10 +358,15 @@ def prepare_bundled(data_dir: str | Path, heldout_fraction: float = 0.02) -> str
 
 
 def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: float = 0.02,
-                        cache_dir: str | None = None, bucket_read: str = "copy") -> str:
-    """`prepare_bundled`, then its train split checked for a window of `seq_len`."""
-    prepare_bundled(data_dir, heldout_fraction)
-    open_store(data_dir, "train", None, cache_dir, bucket_read).num_windows(seq_len)  # fail now, not at the first batch
+                        cache_dir: str | None = None, bucket_read: str = "copy", tokenizer=None) -> str:
+    """`prepare_bundled`, then its train split checked for a window of `seq_len` (and, with
+    `tokenizer`, made by that tokenizer: `check_tokenizer`)."""
+    prepare_bundled(data_dir, heldout_fraction, tokenizer)
+    manifest = storage.read_manifest(data_dir)
+    if tokenizer is not None:
+        check_tokenizer(data_dir, manifest[1], tokenizer)
+    # fail now, not at the first batch
+    open_store(data_dir, "train", None, cache_dir, bucket_read, manifest=manifest).num_windows(seq_len)
     return os.fspath(data_dir)
 
 
@@ -315,11 +388,17 @@ class RunData(NamedTuple):
 
 def open_for_training(data_dir: str | Path, seq_len: int, eval_windows: int, eval_seed: int = 1234,
                       model_vocab: int | None = None, cache_dir: str | None = None,
-                      bucket_read: str = "copy") -> RunData:
+                      bucket_read: str = "copy", tokenizer=None) -> RunData:
     """Open `data_dir` for a run: its train split (at least one window of `seq_len`: a short
     split fails now, not at the first batch), then `eval_windows` held-out windows, both read
-    through one reading of the manifest and with ids below `model_vocab` too (`open_store`)."""
-    train = open_store(data_dir, "train", None, cache_dir, bucket_read, model_vocab=model_vocab)
+    through one reading of the manifest and with ids below `model_vocab` too (`open_store`).
+    `tokenizer`: the run's data group (cfg.data), whose tokenizer must be the data's
+    (`check_tokenizer`), checked before any shard is read or copied."""
+    manifest = None
+    if tokenizer is not None:
+        manifest = storage.read_manifest(data_dir)
+        check_tokenizer(data_dir, manifest[1], tokenizer)
+    train = open_store(data_dir, "train", None, cache_dir, bucket_read, manifest=manifest, model_vocab=model_vocab)
     train.num_windows(seq_len)
     val = validation_windows(data_dir, seq_len, eval_windows, eval_seed, cache_dir=cache_dir, bucket_read=bucket_read,
                              manifest=train.manifest_file, model_vocab=model_vocab)

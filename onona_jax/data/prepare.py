@@ -1,18 +1,26 @@
-"""Tokenise corpora into uint16 shards with a document-level held-out split.
+"""Tokenise corpora into token shards with a document-level held-out split.
 
-    python -m onona_jax.data.prepare --input PATH [PATH ...] --output DIR \
+    python -m onona_jax.data.prepare --input PATH [PATH ...] --output DIR [--tokenizer gpt2] \
         [--heldout_fraction 0.02] [--shard_tokens 50_000_000] [--seed 0] [--overwrite] \
-        [--text_column text] [--tokens_column COL] [--workers N] [--max_tokens N] [--block_bytes 65536]
+        [--text_column text] [--tokens_column COL] [--workers N] [--max_tokens N] [--block_bytes 65536] \
+        [--eot TOKEN] [--special_tokens T=ID,...] [--tokenizer_pattern NAME|REGEX]
+
+`--tokenizer` (and its companions) takes what the config's `data.tokenizer` (`data.eot`, ...) takes
+(onona_jax/tokenizer.py): gpt2 (the default), a tiktoken rank file, a Hugging Face tokenizer.json
+or a folder holding one; a run refuses data prepared with another tokenizer than its own.
 
 Inputs (see onona_jax/data/sources.py): `.txt` files (documents separated by blank lines),
 `.jsonl` files (one document per line, in its `--text_column` field), both optionally
 `.xz`/`.gz`/`.bz2`/`.zst` compressed; `.parquet` and `.arrow` files (the `--text_column` column)
 and directories saved by `datasets`; a directory means every such file directly inside it, sorted.
-With `--tokens_column` the inputs hold GPT-2 token-id lists (jsonl field or parquet/Arrow column)
-that are used as they are. Every document is followed by exactly one EOT. `--workers N` tokenises
-in N processes; the output does not depend on N. Output: `DIR/{train,heldout}_NNNNN.bin` (uint16)
-and `DIR/manifest.json` (with each shard's sha256, and a hash of each `--block_bytes` block of it
-for streaming reads from a bucket: onona_jax/data/stream.py), moved into place only when complete.
+With `--tokens_column` the inputs hold token-id lists of the `--tokenizer` (jsonl field or
+parquet/Arrow column) that are used as they are (ids checked against its vocabulary). Every
+document is followed by exactly one end-of-document token (the tokenizer's eot). `--workers N`
+tokenises in N processes; the output does not depend on N. Output: `DIR/{train,heldout}_NNNNN.bin`
+(little-endian uint16 when every id fits, n_vocab <= 65,536; else uint32) and `DIR/manifest.json`
+(the dtype, the tokenizer's identity, each shard's sha256, and a hash of each `--block_bytes`
+block of it for streaming reads from a bucket: onona_jax/data/stream.py), moved into place only
+when complete.
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ from absl import flags
 from tqdm import tqdm
 
 from onona_jax import cli, paths, staging
-from onona_jax.data.sources import Chunk, Source, check_mode, encode_chunk, iter_chunks, iter_documents, resolve_inputs
-from onona_jax.tokenizer import EOT, GPT2_RANKS_SHA256, TOKENIZER_VOCAB, get_tokenizer
+from onona_jax import tokenizer as tokenizer_lib
+from onona_jax.data.sources import (Chunk, Source, TokArgs, check_mode, encode_chunk, iter_chunks, iter_documents,
+                                    resolve_inputs)
 
 __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
            "sha256_file"]
@@ -89,8 +98,10 @@ def sha256_file(path: str | Path) -> str:
 class _ShardWriter:
     """Appends tokens to `{split}_NNNNN.bin` files of at most `shard_tokens` tokens each, hashing as it goes."""
 
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES):
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int, block_bytes: int = BLOCK_BYTES,
+                 dtype: np.dtype = np.dtype(np.uint16)):
         self.out_dir, self.split, self.shard_tokens, self.block_bytes = out_dir, split, shard_tokens, block_bytes
+        self.dtype = np.dtype(dtype).newbyteorder("<")  # shards are little-endian on every host
         self.shards: list[dict] = []
         self._f = self._hash = None
         self._blocks: list[str] = []  # hashes of the current shard's finished blocks
@@ -105,7 +116,7 @@ class _ShardWriter:
             if self._f is None or self.shards[-1]["tokens"] == self.shard_tokens:
                 self._open_next()
             n = min(tokens.size, self.shard_tokens - self.shards[-1]["tokens"])
-            data = tokens[:n].astype("<u2", copy=False).tobytes()
+            data = tokens[:n].astype(self.dtype, copy=False).tobytes()
             self._f.write(data)
             self._hash.update(data)
             self._hash_blocks(data)
@@ -130,7 +141,7 @@ class _ShardWriter:
                 self._block.clear()
             # The hash lets a copy (a bucket, a host's cache) be checked against what prepare wrote;
             # the block hashes let a streaming reader check each range it reads.
-            self.shards[-1].update(bytes=2 * self.shards[-1]["tokens"], sha256=self._hash.hexdigest(),
+            self.shards[-1].update(bytes=self.dtype.itemsize * self.shards[-1]["tokens"], sha256=self._hash.hexdigest(),
                                    block_bytes=self.block_bytes, block_sha256="".join(self._blocks))
             self._f, self._blocks = None, []
 
@@ -192,10 +203,10 @@ def _start_method() -> str:
     return "fork" if sys.platform == "linux" and not others else "spawn"
 
 
-def _start_pool(workers: int) -> ProcessPoolExecutor | None:
+def _start_pool(workers: int, tok_args: TokArgs) -> ProcessPoolExecutor | None:
     if workers == 1:
         return None
-    get_tokenizer()  # loaded once, before a fork
+    tokenizer_lib.load(*tok_args)  # loaded once, before a fork (a spawned worker loads it from tok_args)
     method = _start_method()
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init,
                                initargs=(os.getpid(),))
@@ -209,18 +220,19 @@ def _start_pool(workers: int) -> ProcessPoolExecutor | None:
     return pool
 
 
-def _encoded(sources, text_column, tokens_column, pool, workers) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded(sources, text_column, tokens_column, pool, workers, tok_args: TokArgs
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(tokens, tokens per document) of each chunk in input order, decoded and tokenised in `pool`'s
     worker processes, or in this one if `pool` is None."""
     chunks = _chunks(sources, text_column, tokens_column)
     if pool is None:
-        yield from map(encode_chunk, chunks)
+        yield from (encode_chunk(c, tok_args) for c in chunks)
         return
     # Results are taken in submission order, so the output does not depend on the number of workers;
     # at most 2 tasks per worker are in flight, which bounds memory and keeps every worker busy.
     pending: collections.deque = collections.deque()
     for chunk in chunks:
-        pending.append(pool.submit(encode_chunk, chunk))
+        pending.append(pool.submit(encode_chunk, chunk, tok_args))
         if len(pending) >= 2 * workers:
             yield pending.popleft().result()
     while pending:
@@ -228,18 +240,19 @@ def _encoded(sources, text_column, tokens_column, pool, workers) -> Iterator[tup
 
 
 def _write_splits(tmp: Path, sources, is_heldout: Callable[[int, int], np.ndarray], shard_tokens, text_column,
-                  tokens_column, workers, max_tokens, block_bytes) -> tuple[dict, dict, int]:
+                  tokens_column, workers, max_tokens, block_bytes, tok_args: TokArgs) -> tuple[dict, dict, int]:
     """Tokenise into `tmp`; returns (writers, documents per split, documents written).
 
     `is_heldout(a, b)`: bool array, whether each of the documents a..b-1 (global index) is held out.
     """
-    writers = {s: _ShardWriter(tmp, s, shard_tokens, block_bytes) for s in SPLITS}
+    dtype = tokenizer_lib.load(*tok_args).dtype
+    writers = {s: _ShardWriter(tmp, s, shard_tokens, block_bytes, dtype) for s in SPLITS}
     docs_per_split = dict.fromkeys(SPLITS, 0)
     index = total = 0
-    pool = _start_pool(workers)
+    pool = _start_pool(workers, tok_args)
     try:
         with tqdm(desc="tokenising", unit="tok", unit_scale=True, dynamic_ncols=True) as bar:
-            for flat, lengths in _encoded(sources, text_column, tokens_column, pool, workers):
+            for flat, lengths in _encoded(sources, text_column, tokens_column, pool, workers, tok_args):
                 ends = np.cumsum(lengths)
                 if max_tokens is not None:  # whole documents only, in input order: the same cut for any `workers`
                     keep = int(np.searchsorted(ends, max_tokens - total, side="right"))
@@ -293,6 +306,25 @@ def check_apart(inputs: list[str], output: str) -> None:
                          "replaces its output directory as a whole)")
 
 
+def load_tokenizer(tok_args: TokArgs) -> tokenizer_lib.Tokenizer:
+    """The tokenizer prepare writes with (a ValueError naming the fix if it cannot tokenise)."""
+    tok = tokenizer_lib.load(*tok_args)
+    if tok.kind == "size":
+        raise ValueError(f"--tokenizer={tok.spec} names a vocabulary size only (for planning); prepare needs the "
+                         "tokenizer itself: gpt2, a tiktoken rank file, a tokenizer.json or a folder holding one")
+    return tok
+
+
+def tokenizer_record(tok: tokenizer_lib.Tokenizer, tok_args: TokArgs) -> dict:
+    """What a manifest records of its tokenizer: the identity a run compares with its own
+    (`tokenizer.same`), and under "config" the data.* settings that load it again (a path made
+    absolute), for the message that names the fix."""
+    spec, eot, pattern, specials = tok_args
+    config = {"tokenizer": spec if tok.kind == "gpt2" else os.path.abspath(spec)}
+    config.update({k: v for k, v in (("eot", eot), ("tokenizer_pattern", pattern), ("special_tokens", specials)) if v})
+    return {**tok.identity(), "config": config}
+
+
 def prepare(
     inputs: list[str],
     output: str,
@@ -306,22 +338,32 @@ def prepare(
     workers: int = 1,
     max_tokens: int | None = None,
     block_bytes: int = BLOCK_BYTES,
+    tokenizer: str = tokenizer_lib.DEFAULT,
+    eot: str = "",
+    tokenizer_pattern: str = "",
+    special_tokens: str = "",
 ) -> dict:
     """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json).
-    `output` may be a bucket URL (gs://...): see `_prepare_to_bucket`."""
+    `output` may be a bucket URL (gs://...): see `_prepare_to_bucket`. `tokenizer` and its companions:
+    what data.tokenizer, data.eot, data.tokenizer_pattern and data.special_tokens take."""
     check_apart(inputs, output)
+    tok_args: TokArgs = (tokenizer or tokenizer_lib.DEFAULT, eot or "", tokenizer_pattern or "", special_tokens or "")
+    tok = load_tokenizer(tok_args)
     if paths.is_cloud(output):
         return _prepare_to_bucket(inputs, output, heldout_fraction, shard_tokens, seed, overwrite=overwrite,
                                   text_column=text_column, tokens_column=tokens_column, workers=workers,
-                                  max_tokens=max_tokens, block_bytes=block_bytes)
+                                  max_tokens=max_tokens, block_bytes=block_bytes, tokenizer=tok_args[0],
+                                  eot=tok_args[1], tokenizer_pattern=tok_args[2], special_tokens=tok_args[3])
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    if block_bytes < 2 or block_bytes % 2:
-        raise ValueError(f"block_bytes must be a positive even number (whole uint16 tokens), got {block_bytes}")
+    width = tok.dtype.itemsize
+    if block_bytes < width or block_bytes % width:
+        raise ValueError(f"block_bytes must be a positive {'even number' if width == 2 else f'multiple of {width}'} "
+                         f"(whole {tok.dtype.name} tokens of {tok.name}), got {block_bytes}")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if not text_column or tokens_column == "":
@@ -338,11 +380,11 @@ def prepare(
     # a corrupt parquet footer or a wrong format fails here. (A fault deep inside a file fails later,
     # and the partial output is removed.)
     for src in sources:
-        next(iter_documents(src, text_column, tokens_column), None)
+        next(iter_documents(src, text_column, tokens_column, tok), None)
 
     tmp, lock_fd = staging.new(out)
     try:
-        args = (shard_tokens, text_column, tokens_column, workers, max_tokens, block_bytes)
+        args = (shard_tokens, text_column, tokens_column, workers, max_tokens, block_bytes, tok_args)
         def hashed(a: int, b: int) -> np.ndarray:
             return np.fromiter((_doc_hash(seed, i) for i in range(a, b)), np.float64, b - a) < heldout_fraction
 
@@ -365,10 +407,10 @@ def prepare(
 
         manifest = {
             "format_version": FORMAT_VERSION,
-            "tokenizer": {"name": "gpt2", "ranks_sha256": GPT2_RANKS_SHA256},
-            "eot": EOT,
-            "vocab": TOKENIZER_VOCAB,
-            "dtype": "uint16",
+            "tokenizer": tokenizer_record(tok, tok_args),
+            "eot": tok.eot,
+            "vocab": tok.n_vocab,
+            "dtype": tok.dtype.name,
             "splits": {
                 s: {"shards": writers[s].shards, "tokens": writers[s].tokens, "documents": docs_per_split[s]}
                 for s in SPLITS
@@ -450,13 +492,21 @@ def define(fv, argv):
     flags.DEFINE_integer("seed", 0, "seed of the held-out document split", flag_values=fv)
     flags.DEFINE_bool("overwrite", False, "replace an existing non-empty output directory", flag_values=fv)
     flags.DEFINE_string("text_column", "text", "jsonl field / parquet or Arrow column of the text", flag_values=fv)
-    flags.DEFINE_string("tokens_column", None, "field/column of GPT-2 token-id lists: inputs are pre-tokenized "
-                        "and used as they are", flag_values=fv)
+    flags.DEFINE_string("tokens_column", None, "field/column of token-id lists of --tokenizer: inputs are "
+                        "pre-tokenized and used as they are", flag_values=fv)
+    flags.DEFINE_string("tokenizer", tokenizer_lib.DEFAULT, "gpt2, a tiktoken rank file, a HF tokenizer.json or a "
+                        "folder holding one (what data.tokenizer takes)", flag_values=fv)
+    flags.DEFINE_string("eot", "", "the end-of-document special token where the tokenizer does not say (data.eot)",
+                        flag_values=fv)
+    flags.DEFINE_string("special_tokens", "", "a rank file's special tokens, <token>=<id>,... (data.special_tokens)",
+                        flag_values=fv)
+    flags.DEFINE_string("tokenizer_pattern", "", "a rank file's split pattern: gpt2, cl100k, o200k or a regex "
+                        "(data.tokenizer_pattern)", flag_values=fv)
     flags.DEFINE_integer("workers", _cpus(), "tokenising processes (default: CPUs available)", flag_values=fv)
     flags.DEFINE_string("max_tokens", None, "stop after this many tokens (whole documents, in input order)",
                         flag_values=fv)
     flags.DEFINE_string("block_bytes", str(BLOCK_BYTES), "bytes per hashed block, what a streaming reader of a "
-                        "bucket fetches and verifies at once (even; small next to 2 * (seq_len + 1))",
+                        "bucket fetches and verifies at once (whole tokens; small next to a window's bytes)",
                         flag_values=fv)
 
 
@@ -475,7 +525,8 @@ def _main(fv, paths):
     try:
         m = prepare(inputs, fv.output, fv.heldout_fraction, shard_tokens, fv.seed, fv.overwrite,
                     text_column=fv.text_column, tokens_column=fv.tokens_column, workers=fv.workers,
-                    max_tokens=max_tokens, block_bytes=block_bytes)
+                    max_tokens=max_tokens, block_bytes=block_bytes, tokenizer=fv.tokenizer, eot=fv.eot,
+                    tokenizer_pattern=fv.tokenizer_pattern, special_tokens=fv.special_tokens)
     except OSError as e:
         hint = "free space or choose another --output" if e.errno == errno.ENOSPC else "check the --output path"
         raise cli.Failure(f"cannot write {fv.output} ({e}); {hint}; nothing was written") from None
@@ -486,7 +537,7 @@ def _main(fv, paths):
     for s in SPLITS:
         sp = m["splits"][s]
         print(f"{s}: {sp['documents']:,} documents, {sp['tokens']:,} tokens in {len(sp['shards'])} shard(s)")
-    print(f"wrote {fv.output}/manifest.json")
+    print(f"wrote {fv.output}/manifest.json ({m['dtype']} tokens of {m['tokenizer']['name']})")
 
 
 def main(argv: list[str] | None = None) -> int:

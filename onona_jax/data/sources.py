@@ -2,8 +2,10 @@
 
 `iter_chunks` (main process) cuts an input into `Chunk`s; `chunk_documents` (a worker) turns a
 chunk into documents; `encode_chunk` also tokenises them. A document is text (`str`) or, for
-pre-tokenized inputs (`tokens_column`), a uint16 array of GPT-2 token ids ending in exactly one
-EOT. Formats, by file name:
+pre-tokenized inputs (`tokens_column`), an array of the tokenizer's ids (its `dtype`: uint16, or
+uint32 past 65,536 entries) ending in exactly one end-of-document id (its `eot`). The tokenizer
+is `data.tokenizer`'s (onona_jax/tokenizer.py), named by its load arguments (`TokArgs`) so that
+a worker process loads the same one. Formats, by file name:
 
 * `.txt`   documents separated by blank lines, surrounding whitespace stripped;
 * `.jsonl` one JSON object per line, the document in its `text_column` (or `tokens_column`) field;
@@ -31,7 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
+from onona_jax import tokenizer as tokenizer_lib
+from onona_jax.tokenizer import Tokenizer
+
+# tokenizer.load's arguments (spec, eot, pattern, special_tokens): what a worker loads its tokenizer from.
+TokArgs = tuple[str, str, str, str]
+GPT2: TokArgs = (tokenizer_lib.DEFAULT, "", "", "")
 
 _ZSTD_MAX_WINDOW = 1 << 31  # accept long-distance-matching .zst files (zstd --long=31)
 
@@ -165,23 +172,32 @@ def check_mode(sources: list[Source], tokens_column: str | None) -> None:
                              "file (text only); prepare text and token-id inputs in separate runs")
 
 
-def _check_ids(ids: np.ndarray, where: str) -> None:
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= TOKENIZER_VOCAB):
-        bad = int(ids[(ids < 0) | (ids >= TOKENIZER_VOCAB)][0])
-        raise ValueError(f"{where}: token id {bad} is outside the GPT-2 vocabulary [0, {TOKENIZER_VOCAB}); "
-                         "--tokens_column must hold GPT-2 token ids")
+def vocabulary(tok: Tokenizer) -> str:
+    """How messages name a tokenizer's vocabulary."""
+    return "the GPT-2 vocabulary" if tok.kind == "gpt2" else f"the vocabulary of {tok.name}"
 
 
-def end_with_one_eot(ids: np.ndarray) -> np.ndarray:
-    """`ids` with trailing EOTs removed and exactly one appended (uint16); empty if no token remains."""
+def _check_ids(ids: np.ndarray, where: str, tok: Tokenizer) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tok.n_vocab):
+        bad = int(ids[(ids < 0) | (ids >= tok.n_vocab)][0])
+        raise ValueError(f"{where}: token id {bad} is outside {vocabulary(tok)} [0, {tok.n_vocab}) "
+                         f"(--tokenizer={tok.spec}); --tokens_column must hold ids of the tokenizer that made them: "
+                         "give that one with --tokenizer")
+
+
+def end_with_one_eot(ids: np.ndarray, tok: Tokenizer | None = None) -> np.ndarray:
+    """`ids` with trailing end-of-document ids (`tok.eot`; default GPT-2's) removed and exactly one
+    appended, as `tok.dtype`; empty if no token remains."""
+    tok = tok or tokenizer_lib.load()
+    eot, dtype = tok.eot, tok.dtype
     n = len(ids)
-    while n and ids[n - 1] == EOT:
+    while n and ids[n - 1] == eot:
         n -= 1
     if n == 0:
-        return np.zeros(0, np.uint16)
-    out = np.empty(n + 1, np.uint16)
+        return np.zeros(0, dtype)
+    out = np.empty(n + 1, dtype)
     out[:n] = ids[:n]
-    out[n] = EOT
+    out[n] = eot
     return out
 
 
@@ -296,14 +312,16 @@ def iter_chunks(src: Source, text_column: str = "text", tokens_column: str | Non
     return _table_chunks(src, column, tokens)
 
 
-def chunk_documents(chunk: Chunk) -> list:
-    """The documents of one chunk: `str` texts or, for token inputs, uint16 arrays ending in one EOT."""
+def chunk_documents(chunk: Chunk, tok: Tokenizer | None = None) -> list:
+    """The documents of one chunk: `str` texts or, for token inputs, arrays of `tok`'s ids (default
+    GPT-2's) ending in one end-of-document id."""
+    tok = tok or tokenizer_lib.load()
     if chunk.kind in _STREAM_KINDS:
-        return _line_documents(chunk)
-    return _table_documents(chunk)
+        return _line_documents(chunk, tok)
+    return _table_documents(chunk, tok)
 
 
-def _line_documents(c: Chunk) -> list:
+def _line_documents(c: Chunk, tok: Tokenizer) -> list:
     try:
         text = c.data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -344,53 +362,53 @@ def _line_documents(c: Chunk) -> list:
             raise ValueError(f'{where}: JSONL line has no "{c.column}" list of integer token ids; each line must '
                              f"be a JSON object like {example}")
         ids = np.array(value, np.int64)
-        _check_ids(ids, where)
-        doc = end_with_one_eot(ids)
+        _check_ids(ids, where, tok)
+        doc = end_with_one_eot(ids, tok)
         if len(doc):
             docs.append(doc)
     return docs
 
 
-def _table_documents(c: Chunk) -> list:
+def _table_documents(c: Chunk, tok: Tokenizer) -> list:
     arr = c.data
     if not c.tokens:
         return [t for t in arr.to_pylist() if t is not None and t.strip()]
     offsets = arr.offsets.to_numpy()  # of a slice: positions in the unsliced `values`
     values = arr.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     lo, hi = offsets[0], offsets[-1]
-    if hi > lo and (int(values[lo:hi].min()) < 0 or int(values[lo:hi].max()) >= TOKENIZER_VOCAB):
+    if hi > lo and (int(values[lo:hi].min()) < 0 or int(values[lo:hi].max()) >= tok.n_vocab):
         for i in range(len(arr)):  # rare error path: find the row
-            _check_ids(values[offsets[i] : offsets[i + 1]], f"{c.path}: row {c.first + i}")
+            _check_ids(values[offsets[i] : offsets[i + 1]], f"{c.path}: row {c.first + i}", tok)
     docs = []
     for i in range(len(arr)):
-        doc = end_with_one_eot(values[offsets[i] : offsets[i + 1]])
+        doc = end_with_one_eot(values[offsets[i] : offsets[i + 1]], tok)
         if len(doc):
             docs.append(doc)
     return docs
 
 
-def iter_documents(src: Source | Path, text_column: str = "text", tokens_column: str | None = None
-                   ) -> Iterator[str | np.ndarray]:
-    """Documents of one input in order: `str` texts or, in tokens mode, uint16 id arrays ending in exactly
-    one EOT (ids checked against the vocabulary)."""
+def iter_documents(src: Source | Path, text_column: str = "text", tokens_column: str | None = None,
+                   tok: Tokenizer | None = None) -> Iterator[str | np.ndarray]:
+    """Documents of one input in order: `str` texts or, in tokens mode, id arrays ending in exactly
+    one end-of-document id (ids checked against `tok`'s vocabulary; default GPT-2's)."""
     if isinstance(src, Path):
         src = Source(src, *_kind(src))
     for chunk in iter_chunks(src, text_column, tokens_column):
-        yield from chunk_documents(chunk)
+        yield from chunk_documents(chunk, tok)
 
 
-def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
-    """(uint16 tokens of the chunk's documents, each followed by one EOT; tokens per document): one task
-    of a prepare worker, single-threaded so that N workers use N cores."""
-    docs = chunk_documents(chunk)
+def encode_chunk(chunk: Chunk, tok_args: TokArgs = GPT2) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens of the chunk's documents, each followed by one end-of-document id, as the tokenizer's
+    dtype; tokens per document): one task of a prepare worker, single-threaded so that N workers use
+    N cores. The tokenizer is loaded from `tok_args` (once per process: `tokenizer.load` caches)."""
+    tok = tokenizer_lib.load(*tok_args)
+    docs = chunk_documents(chunk, tok)
     if chunk.tokens:
         lengths = np.fromiter(map(len, docs), np.int64, count=len(docs))
-        return (np.concatenate(docs) if docs else np.zeros(0, np.uint16)), lengths
-    from onona_jax.tokenizer import get_tokenizer
-
-    enc = get_tokenizer()
-    ids = [enc.encode_ordinary(t) for t in docs]
+        return (np.concatenate(docs) if docs else np.zeros(0, tok.dtype)), lengths
+    ids = [tok.encode(t) for t in docs]  # one by one: a HF tokenizer's batch would use every core
     lengths = np.fromiter((len(d) + 1 for d in ids), np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(x for d in ids for x in (d, (EOT,))), np.uint16,
+    eot = (tok.eot,)
+    flat = np.fromiter(itertools.chain.from_iterable(x for d in ids for x in (d, eot)), tok.dtype,
                        count=int(lengths.sum()))
     return flat, lengths

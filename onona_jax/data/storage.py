@@ -29,6 +29,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from onona_jax import paths
 
 _COPY_CHUNK = 8 << 20  # bytes per read from the store: large requests, bounded memory
@@ -41,6 +43,25 @@ def default_cache_dir() -> str:
 
 def prepare_hint(data_dir) -> str:
     return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
+
+
+# Shards' token widths by the manifest's "dtype": uint16 when every id of the tokenizer fits
+# (n_vocab <= 65,536; all data prepared before other tokenizers), else uint32; little-endian.
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def token_dtype(manifest: dict) -> np.dtype:
+    """The dtype of a manifest's shards."""
+    dtype = manifest.get("dtype")
+    if dtype not in DTYPES:
+        raise ValueError(f"a manifest.json with dtype={dtype!r} (expected {' or '.join(DTYPES)}) was not written by "
+                         "this version's prepare: run `python -m onona_jax.data.prepare` again")
+    return DTYPES[dtype]
+
+
+def shard_bytes(manifest: dict, shard: dict) -> int:
+    """The size a shard of `manifest` has: its tokens times the token width."""
+    return token_dtype(manifest).itemsize * shard["tokens"]
 
 
 def parse_manifest(raw: bytes, where: str, data_dir) -> dict:
@@ -78,7 +99,7 @@ def _full_error(cache: Path, data_dir: str, need: int, free: int) -> ValueError:
                       "disk with room")
 
 
-def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path) -> None:
+def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path, want_size: int) -> None:
     """Copy one shard to `dst` through a temp name, checking its size and sha256 against the manifest."""
     part = dst.with_name(f".{dst.name}.part-{os.getpid()}")
     h, size = hashlib.sha256(), 0
@@ -95,9 +116,8 @@ def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path) -> N
     except OSError as e:
         part.unlink(missing_ok=True)
         if e.errno == errno.ENOSPC:
-            raise _full_error(cache, data_dir, 2 * shard["tokens"], shutil.disk_usage(cache).free) from None
+            raise _full_error(cache, data_dir, want_size, shutil.disk_usage(cache).free) from None
         raise
-    want_size = 2 * shard["tokens"]
     if size != want_size or ("sha256" in shard and h.hexdigest() != shard["sha256"]):
         part.unlink()
         raise ValueError(f"shard {src} ({size} bytes, sha256 {h.hexdigest()}) does not match "
@@ -150,17 +170,17 @@ def _fill(cache: Path, data_dir: str, manifest: dict, splits) -> None:
         dst = cache / s["file"]
         if not dst.is_file():
             missing.append(s)
-        elif dst.stat().st_size != 2 * s["tokens"]:
+        elif dst.stat().st_size != shard_bytes(manifest, s):
             raise ValueError(f"cached shard {dst} has {dst.stat().st_size} bytes but {data_dir}/manifest.json says "
-                             f"{2 * s['tokens']}; the cache is stale or damaged: delete it (`rm -rf {cache}`) and "
-                             "rerun")
-    need = sum(2 * s["tokens"] for s in missing)
+                             f"{shard_bytes(manifest, s)}; the cache is stale or damaged: delete it (`rm -rf {cache}`) "
+                             "and rerun")
+    need = sum(shard_bytes(manifest, s) for s in missing)
     free = shutil.disk_usage(cache).free
     if need > free:
         raise _full_error(cache, data_dir, need, free)
     remote = paths.path(data_dir)
     for s in missing:
-        _copy_verified(remote / s["file"], cache / s["file"], s, data_dir, cache)
+        _copy_verified(remote / s["file"], cache / s["file"], s, data_dir, cache, shard_bytes(manifest, s))
 
 
 def shard_sha256(path) -> str:

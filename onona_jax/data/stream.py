@@ -12,9 +12,10 @@ the call, merges neighbouring blocks into one range, and fetches all ranges conc
 so windows that share a block, or sequential windows, do not fetch it again.
 
 What a host reads: its windows rounded out to whole blocks, so about its share of the data times
-(1 + block_bytes / (2 * (seq_len + 1))): blocks should be small next to a window (prepare's
---block_bytes). A manifest without block hashes (prepared before they existed) is refused with
-the fix; it is never read unverified.
+(1 + block_bytes / (width * (seq_len + 1))), width the token's bytes (2 for uint16 shards, 4 for
+uint32: the manifest's dtype): blocks should be small next to a window (prepare's --block_bytes).
+A manifest without block hashes (prepared before they existed) is refused with the fix; it is
+never read unverified.
 """
 
 from __future__ import annotations
@@ -53,13 +54,17 @@ class StreamStore:
         manifest = self.manifest_file[1]
         manifest_path = f"{data_dir}/manifest.json"
         shards = pipeline.split_shards(manifest, split, manifest_path, data_dir)
+        self.dtype = storage.token_dtype(manifest)
+        width = self.dtype.itemsize
         for s in shards:
             if "block_sha256" not in s or "block_bytes" not in s:
                 raise _no_block_hashes(data_dir, s)
-            nblocks = -(-2 * s["tokens"] // s["block_bytes"])
-            if s["block_bytes"] < 2 or s["block_bytes"] % 2 or len(s["block_sha256"]) != nblocks * BLOCK_HASH_HEX:
+            size = storage.shard_bytes(manifest, s)
+            nblocks = -(-size // s["block_bytes"])
+            whole = s["block_bytes"] >= width and s["block_bytes"] % width == 0
+            if not whole or len(s["block_sha256"]) != nblocks * BLOCK_HASH_HEX:
                 raise ValueError(f"{manifest_path} lists {len(s['block_sha256']) // BLOCK_HASH_HEX} block hashes of "
-                                 f"{s['block_bytes']} bytes for shard {s['file']} of {2 * s['tokens']} bytes; the "
+                                 f"{s['block_bytes']} bytes for shard {s['file']} of {size} bytes; the "
                                  f"manifest is damaged: {storage.prepare_hint(data_dir)} again")
         self.data_dir, self.split, self.manifest, self.shard_info = data_dir, split, manifest, shards
         self.vocab_size = pipeline.id_bound(vocab_size, manifest, model_vocab)
@@ -102,7 +107,7 @@ class StreamStore:
         wanted = {}  # (shard, block) -> None, in first-use order
         for a, b in ranges:
             for i, lo, hi in self._pieces(a, b):
-                bb = self.shard_info[i]["block_bytes"] // 2  # tokens per block
+                bb = self.shard_info[i]["block_bytes"] // self.dtype.itemsize  # tokens per block
                 for k in range(lo // bb, (hi - 1) // bb + 1):
                     wanted[(i, k)] = None
         have = {}
@@ -114,10 +119,10 @@ class StreamStore:
         have.update(self._fetch([key for key in wanted if key not in have]))
         out = []
         for a, b in ranges:
-            row = np.empty(b - a, np.uint16)
+            row = np.empty(b - a, self.dtype)
             at = 0
             for i, lo, hi in self._pieces(a, b):
-                bb = self.shard_info[i]["block_bytes"] // 2
+                bb = self.shard_info[i]["block_bytes"] // self.dtype.itemsize
                 for k in range(lo // bb, (hi - 1) // bb + 1):
                     s, e = max(lo, k * bb), min(hi, (k + 1) * bb)
                     row[at : at + e - s] = have[(i, k)][s - k * bb : e - k * bb]
@@ -138,7 +143,7 @@ class StreamStore:
                 runs.append([i, k, k])
         starts, ends = [], []
         for i, k0, k1 in runs:
-            b, size = self.shard_info[i]["block_bytes"], 2 * self.shard_info[i]["tokens"]
+            b, size = self.shard_info[i]["block_bytes"], storage.shard_bytes(self.manifest, self.shard_info[i])
             starts.append(k0 * b)
             ends.append(min((k1 + 1) * b, size))
         datas = self.fs.cat_ranges([self.keys[i] for i, _, _ in runs], starts, ends, on_error="return")
@@ -174,11 +179,11 @@ class StreamStore:
                 f"match {self.data_dir}/manifest.json ({len(data)} bytes read, {want} expected; hash {digest}, "
                 f"expected {expect}): the bucket copy is corrupt or was rewritten; upload the data dir again (or "
                 f"{storage.prepare_hint(self.data_dir)} and upload it)")
-        arr = np.frombuffer(data, dtype="<u2")
+        arr = np.frombuffer(data, dtype=self.dtype)
         if arr.size and int(arr.max()) >= self.vocab_size:  # as TokenStore checks a whole shard at load
+            from onona_jax.data import pipeline
+
             at = int(np.argmax(arr >= self.vocab_size))
-            raise ValueError(f"shard {self.data_dir}/{shard['file']} has token id {int(arr[at])} at position "
-                             f"{k * b // 2 + at}, "
-                             f">= vocab size {self.vocab_size}; it was not made with the GPT-2 tokenizer: "
-                             "re-run `python -m onona_jax.data.prepare` with the right tokenizer")
+            raise pipeline.id_error(f"{self.data_dir}/{shard['file']}", int(arr[at]),
+                                    k * b // self.dtype.itemsize + at, self.vocab_size, self.manifest)
         return arr

@@ -92,6 +92,7 @@ def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=N
     windows = pipeline.validation_windows(
         data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
         cache_dir=cfg.data.get("cache_dir") or None, bucket_read=cfg.data.get("bucket_read", "copy"),
+        tokenizer=cfg.data,  # refuses held-out data of another tokenizer than the run's
     )
     graphdef, _ = models.abstract(cfg.model)
     shardings = jax.tree.map(lambda a: a.sharding, params)

@@ -432,25 +432,25 @@ def _remove_new(workdir: str, before: set[str] | None):
 
 
 def open_data(cfg, data_dir: str):
-    """The run's data opened and checked once (`pipeline.RunData`): the train split, ids below
-    model.vocab_size too, and the validation windows."""
+    """The run's data opened and checked once (`pipeline.RunData`): made by data.tokenizer, the
+    train split, ids below model.vocab_size too, and the validation windows."""
     from onona_jax.data import pipeline
 
     return pipeline.open_for_training(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
                                       model_vocab=cfg.model.vocab_size, cache_dir=cfg.data.cache_dir or None,
-                                      bucket_read=cfg.data.bucket_read)
+                                      bucket_read=cfg.data.bucket_read, tokenizer=cfg.data)
 
 
 def prepare_data(cfg, workdir: str, data=None):
     """The run's data (`pipeline.RunData`): `data` (cfg.data.dir, as `train` opened it), or the
-    bundled corpus prepared once into the workdir, then opened."""
+    bundled corpus prepared once into the workdir (with data.tokenizer), then opened."""
     from onona_jax.data import pipeline
 
     if data is not None:
         return data
     data_dir = paths.Workdir(workdir).data
     if jax.process_index() == 0:
-        pipeline.prepare_bundled(data_dir)
+        pipeline.prepare_bundled(data_dir, tokenizer=cfg.data)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
