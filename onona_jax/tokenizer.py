@@ -106,8 +106,8 @@ def _byte_decoder() -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tokenizer:
-    """One loaded tokenizer. `encode` reads special-token strings as ordinary text where the
-    library allows (GPT-2, tiktoken), so a document cannot forge an end of document."""
+    """One loaded tokenizer. `encode` reads special-token strings as ordinary text (every kind),
+    so a document cannot forge an end of document."""
 
     spec: str  # as given (data.tokenizer)
     kind: str  # gpt2 | tiktoken | hf | size
@@ -293,6 +293,9 @@ def _load_hf(path: str, eot: str) -> Tokenizer:
     except Exception as err:  # noqa: BLE001
         raise ValueError(f"data.tokenizer={file!r} is not a tokenizer.json the `tokenizers` library reads: "
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    # Special-token strings inside a document are text (as tiktoken's encode_ordinary reads them),
+    # so a document cannot forge an end of document.
+    impl.encode_special_tokens = True
     files = [file]
     config_eos = ""
     config_file = os.path.join(folder, "tokenizer_config.json")
