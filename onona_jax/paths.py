@@ -293,6 +293,7 @@ class Workdir:
         eval/step_N.json     eval.py's results
         analysis/            the gate analysis's report (analysis/gate.py)
         logs/                a sweep's logs of the run's commands (experiments/sweep.py)
+        tokenizer/           an imported folder's tokenizer files, its data.tokenizer (train/import_hf.py)
     """
 
     CONFIG = "config.json"
@@ -308,6 +309,7 @@ class Workdir:
     EVAL = "eval"
     ANALYSIS = "analysis"
     LOGS = "logs"
+    TOKENIZER = "tokenizer"
 
     def __init__(self, root):
         self.root = os.fspath(root)
@@ -331,6 +333,7 @@ class Workdir:
     eval = property(lambda self: self.entry(self.EVAL))
     analysis = property(lambda self: self.entry(self.ANALYSIS))
     logs = property(lambda self: self.entry(self.LOGS))
+    tokenizer = property(lambda self: self.entry(self.TOKENIZER))
 
     def data_dir(self, configured: str = "") -> str:
         """The run's data: data.dir when given, else the bundled corpus prepared into `data/`."""

@@ -188,7 +188,7 @@ def test_triplet_evaluates_to_a_direct_computation(triplet_run):
     """eval's validation loss (the checkpoint on its mesh, the fixed windows) is the float64
     mixture's mean NLL over the same windows; the head has no one-table ablations."""
     result = validation.validation(triplet_run, mesh=(8, 1, 1))
-    assert set(result) == {"config", "step", "windows", "val_loss"}
+    assert set(result) == {"config", "step", "windows", "val_loss", "val_bits_per_byte", "val_bytes"}
     params, _, cfg, _ = restore_params(triplet_run, mesh=(8, 1, 1))
     params = jax.device_get(params)
     windows = pipeline.validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed)

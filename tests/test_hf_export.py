@@ -236,7 +236,8 @@ def test_import_refuses_what_it_cannot_represent(tmp_path, capsys):
     assert "attention_bias=true" in capsys.readouterr().err
     (folder / "config.json").write_text(json.dumps({**hf, "attention_bias": False, "vocab_size": 32000}))
     assert import_hf.main([f"--from_hf={folder}", f"--workdir={tmp_path / 'w'}"]) == 2
-    assert "GPT-2-sized vocabulary" in capsys.readouterr().err
+    err = capsys.readouterr().err  # no tokenizer.json: read as GPT-2's, whose 50,257 ids 32,000 rows cannot hold
+    assert "has no tokenizer.json" in err and "vocab_size=32,000 is below its tokenizer's 50,257 entries" in err
     assert not (tmp_path / "w").exists()
     m = tiny_config(str(tmp_path), head="twin").model
     m.head = "softmax_bottleneck"

@@ -28,7 +28,7 @@ from onona_jax import train as trainer
 from onona_jax import models as model_lib  # noqa: E402
 from onona_jax.eval.tasks import data as data_lib  # noqa: E402
 from onona_jax.eval.tasks import lambada, mmlu, multiple_choice, wikitext  # noqa: E402
-from onona_jax.tokenizer import EOT, encode  # noqa: E402
+from onona_jax.tokenizer import EOT, encode, load as load_tokenizer  # noqa: E402
 
 try:  # the harness-independent tests run without lm_eval; the comparisons with it need it
     import lm_eval
@@ -172,14 +172,14 @@ def test_encode_pair_equals_the_harness():
     from onona_jax.eval.lm_eval_model import OnonaLM
 
     class _Stub:
-        max_length, batch_size = L, 8
+        max_length, batch_size, tokenizer = L, 8, load_tokenizer()
 
     lm = OnonaLM(scorer=_Stub())
     cases = [("Question: why?\nAnswer:", " because"), ("The cat sat on the ", "mat"), ("a  ", " b"),
              ("", " hello"), ("", "<|endoftext|>x"), ("naïve café", " 東京"), ("x", "y")]
     for ctx, cont in cases:
         want = lm._encode_pair(ctx, cont) if ctx else None
-        got = tasks.encode_pair(ctx, cont)
+        got = tasks.encode_pair(ctx, cont, encode, EOT)
         if ctx:
             assert got == tuple(want)
         else:

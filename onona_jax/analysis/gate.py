@@ -5,8 +5,8 @@
 
 The gate is a lookup (SPEC §1): it depends on the input token only, so one value per
 vocabulary entry describes it completely. g near 1 puts the next-token distribution on
-softmax(Ah), near 0 on softmax(Bh). Reported, over the 50,257 real GPT-2 tokens (the padding
-rows of the tables are left out):
+softmax(Ah), near 0 on softmax(Bh). Reported, over the real tokens of the run's tokenizer
+(data.tokenizer; GPT-2's 50,257 by default; the padding rows of the tables are left out):
 
 * the distribution over the vocabulary (each token once) and over corpus occurrences (each
   token weighted by its count in a split of the run's data: by default the training split of
@@ -36,7 +36,7 @@ import numpy as np
 from absl import flags
 
 from onona_jax import cli, heads, paths
-from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
+from onona_jax import tokenizer as tokenizer_lib
 
 QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
@@ -48,7 +48,7 @@ def gated_heads() -> dict:
     return {n: c.gate_reads for n, c in heads.HEADS.items() if c.gate_reads is not None}
 
 CLASSES = {  # name -> definition; `classify` applies them in this order, the first match wins
-    "special": "the end-of-text token <|endoftext|> (50256)",
+    "special": "the tokenizer's special tokens (GPT-2's: the end-of-text token <|endoftext|>, 50256)",
     "partial_utf8": "bytes that are not valid UTF-8 on their own (a piece of a multi-byte character)",
     "whitespace": "every character is whitespace (' ', '\\n', '\\n\\n', runs of spaces)",
     "digits": "optional leading space, then only Unicode numbers (category N*)",
@@ -131,12 +131,11 @@ def distribution(g: np.ndarray, weights: np.ndarray | None = None) -> dict:
     )
 
 
-def token_bytes(n: int = TOKENIZER_VOCAB) -> list[bytes]:
-    """The raw bytes of tokens 0..n-1."""
-    from onona_jax.tokenizer import get_tokenizer
-
-    enc = get_tokenizer()
-    return [enc.decode_single_token_bytes(i) for i in range(n)]
+def token_bytes(n: int | None = None, tok=None) -> list[bytes]:
+    """The raw bytes of tokens 0..n-1 of `tok` (a `tokenizer.Tokenizer`, GPT-2's when None;
+    n: all its entries when None)."""
+    tok = tok if tok is not None else tokenizer_lib.load()
+    return [tok.token_bytes(i) for i in range(tok.n_vocab if n is None else n)]
 
 
 def token_text(raw: bytes) -> str:
@@ -144,9 +143,10 @@ def token_text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def classify(token_id: int, raw: bytes) -> str:
-    """The token class of one token (see CLASSES; the first matching rule wins)."""
-    if token_id == EOT:
+def classify(token_id: int, raw: bytes, specials=frozenset({tokenizer_lib.EOT})) -> str:
+    """The token class of one token (see CLASSES; the first matching rule wins); `specials`:
+    the ids of the tokenizer's special tokens (GPT-2's by default)."""
+    if token_id in specials:
         return "special"
     try:
         text = raw.decode("utf-8")
@@ -210,9 +210,10 @@ def token_rows(ids, g, counts, texts, classes) -> list[dict]:
     return rows
 
 
-def count_tokens(data_dir: str, split: str, n: int = TOKENIZER_VOCAB, max_tokens: int = 0) -> tuple[np.ndarray, int]:
+def count_tokens(data_dir: str, split: str, n: int, max_tokens: int = 0) -> tuple[np.ndarray, int]:
     """(counts [n] int64, tokens counted) over a split of a prepared data dir, its first
-    `max_tokens` tokens when positive. Ids >= n (none in GPT-2 data) are not counted."""
+    `max_tokens` tokens when positive; n: the tokenizer's entries. Ids >= n (none in data of
+    that tokenizer) are not counted."""
     from onona_jax.data.pipeline import TokenStore
 
     store = TokenStore(data_dir, split)
@@ -231,11 +232,11 @@ def count_tokens(data_dir: str, split: str, n: int = TOKENIZER_VOCAB, max_tokens
 
 
 def analyze_arrays(g: np.ndarray, counts: np.ndarray | None, raw: list[bytes], top: int = 30,
-                   min_count: int = 10) -> dict:
+                   min_count: int = 10, specials=frozenset({tokenizer_lib.EOT})) -> dict:
     """Every number of the report from the gate values g [n] of the real tokens, their
-    occurrence counts [n] (or None) and their bytes."""
+    occurrence counts [n] (or None), their bytes and the special tokens' ids."""
     texts = [token_text(b) for b in raw]
-    classes = [classify(i, b) for i, b in enumerate(raw)]
+    classes = [classify(i, b, specials) for i, b in enumerate(raw)]
     out = dict(vocabulary=distribution(g))
     if counts is not None:
         out["occurrences"] = distribution(g, counts)
@@ -266,7 +267,8 @@ def analyze(workdir: str, step: int | None = None, data_dir: str | None = None, 
     if split not in ("train", "heldout"):
         raise ValueError(f"split {split!r}: train or heldout")
     params, step, cfg, _ = restore_params(workdir, step, mesh)
-    n = min(TOKENIZER_VOCAB, int(cfg.model.vocab_size))
+    tok = tokenizer_lib.from_config(cfg.data)  # the run's: its entries, their bytes, its special tokens
+    n = min(tok.n_vocab, int(cfg.model.vocab_size))
     g = gate_of(params, cfg.model)[:n]
 
     data_dir = data_dir or evaluation.data_dir(cfg, workdir)
@@ -276,10 +278,11 @@ def analyze(workdir: str, step: int | None = None, data_dir: str | None = None, 
         gate_reads=gated_heads()[head][0],
         gate=f"g_v = σ(wᵀ rmsnorm({gated_heads()[head][0]}_v)), {gated_heads()[head][1]}; "
              "g → 1 leans to softmax(Ah), g → 0 to softmax(Bh)",
-        vocab_tokens=n, table_rows=int(cfg.model.vocab_size),
+        vocab_tokens=n, table_rows=int(cfg.model.vocab_size), tokenizer=tok.identity(),
         occurrence_source=dict(data_dir=paths.absolute(data_dir), split=split, tokens=int(counted),
                                whole_split=max_tokens <= 0 or counted < max_tokens),
-        **analyze_arrays(g, counts, token_bytes(n), top, min_count),
+        **analyze_arrays(g, counts, token_bytes(n, tok), top, min_count,
+                         frozenset(i for _, i in tok.special_tokens)),
     )
     return report, g, counts
 

@@ -18,12 +18,15 @@ model_args).
   tokenisation) over `tasks.Scorer.loglikelihood_tokens` (left truncation to max_length,
   log p summed over the continuation, greedy check), the scoring our own tasks use;
 - `loglikelihood_rolling` scores each string in the harness's disjoint rolling windows
-  (`tasks.rolling_windows`, context_len 1, EOT prefix), summed;
+  (`tasks.rolling_windows`, context_len 1, the eot as prefix), summed;
 - `generate_until` decodes with `serving.Server.generate` (greedy unless the request asks
   do_sample, or gives a temperature > 0 alone; then temperature, top_p and top_k are passed
-  on, seed 0), stopping at EOT, then cuts the text at the first of the `until` strings, as
+  on, seed 0), stopping at the eot, then cuts the text at the first of the `until` strings, as
   the harness's HF model does; the prompt is left-truncated to max_length - max_gen_toks
-  tokens (an empty prompt becomes EOT).
+  tokens (an empty prompt becomes the eot).
+
+Text is tokenised with the run's tokenizer (the Scorer's: `tokenizer.from_config` of the
+checkpoint's data group); the eot is its end-of-document token, `tokenizer_name` its name.
 
 Harness tasks read their data through Hugging Face `datasets`; offline, give them local
 files with a task YAML (`dataset_path: json`, `dataset_kwargs: {data_files: ...}`) found by
@@ -37,7 +40,6 @@ import sys
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from onona_jax import tokenizer
 from onona_jax.eval.tasks.scoring import Scorer, rolling_windows
 
 
@@ -80,8 +82,14 @@ class OnonaLM(TemplateLM):
     # ------------------------------------------------------------------ tokenizer
 
     @property
+    def run_tokenizer(self):
+        """The run's tokenizer (`onona_jax.tokenizer.Tokenizer`), the scorer's. (Not
+        `tokenizer`: the harness reads that as a HF tokenizer's chat template, which we lack.)"""
+        return self.scorer.tokenizer
+
+    @property
     def eot_token_id(self) -> int:
-        return tokenizer.EOT
+        return self.run_tokenizer.eot
 
     @property
     def max_length(self) -> int:
@@ -97,13 +105,13 @@ class OnonaLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return "gpt2"
+        return self.run_tokenizer.name
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return tokenizer.encode(string)
+        return self.run_tokenizer.encode(string)
 
     def tok_decode(self, tokens, **kwargs) -> str:
-        return tokenizer.decode(tokens)
+        return self.run_tokenizer.decode(tokens)
 
     # ------------------------------------------------------------------ scoring
 

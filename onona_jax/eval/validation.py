@@ -1,12 +1,20 @@
 """Validation loss on the fixed held-out windows (SPEC §5) and, for heads that declare them,
 the one-table ablations (twin: `a_only`, `b_only`).
 
+`validation` adds `val_bits_per_byte` = Σ NLL / Σ bytes / ln 2 over the same scored targets
+(every window position but the first), where a target's bytes are those its token stands for
+under the run's tokenizer (`Tokenizer.token_bytes`; the special tokens, i.e. the end of a
+document, count 0 bytes but their NLL is counted: where a document ends is part of what is
+predicted). The bytes are counted exactly from the windows' ids, so bits per byte compares
+runs of different tokenizers on the same text; the loss per token does not.
+
 The checkpoint's parameters are restored onto this run's mesh, whatever mesh trained them;
 no optimizer state is read. The training loop uses the same `Evaluator`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import heads as heads_lib
 from onona_jax import models, paths, sharding
+from onona_jax import tokenizer as tokenizer_lib
 from onona_jax.checkpoint import restore_params
 
 
@@ -69,6 +78,28 @@ class Evaluator:
         return out
 
 
+@functools.cache
+def token_byte_lengths(tok) -> np.ndarray:
+    """[n_vocab] int64: the UTF-8 bytes each token stands for (`Tokenizer.token_bytes`), 0 for
+    the special tokens (they end a document; they are not its text). One pass over the
+    vocabulary per tokenizer (cached)."""
+    lengths = np.array([len(tok.token_bytes(i)) for i in range(tok.n_vocab)], np.int64)
+    lengths[[i for _, i in tok.special_tokens if i < tok.n_vocab]] = 0
+    return lengths
+
+
+def bits_per_byte(val_loss: float, windows: np.ndarray, tok) -> dict:
+    """{val_bits_per_byte, val_bytes}: the mean NLL (nats) over windows[:, 1:] turned into bits
+    per byte of the text those targets stand for (module docstring)."""
+    targets = np.asarray(windows)[:, 1:]
+    if targets.size and int(targets.max()) >= tok.n_vocab:
+        raise ValueError(f"the validation windows hold token id {int(targets.max())}, past the "
+                         f"{tok.n_vocab:,} entries of data.tokenizer ({tok.describe()}); the data was "
+                         "prepared with another tokenizer: prepare it again with the run's")
+    nbytes = int(token_byte_lengths(tok)[targets].sum())
+    return {"val_bits_per_byte": float(val_loss) * targets.size / nbytes / math.log(2), "val_bytes": nbytes}
+
+
 def variants(cfg_model) -> tuple:
     """The full model, then the head's one-table ablations."""
     return (None, *heads_lib.head_class(cfg_model.head).ablations)
@@ -97,6 +128,7 @@ def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=N
     graphdef, _ = models.abstract(cfg.model)
     shardings = jax.tree.map(lambda a: a.sharding, params)
     result = Evaluator(graphdef, grid, shardings)(params, windows, variants(cfg.model), cfg.eval.batch)
+    result.update(bits_per_byte(result["val_loss"], windows, tokenizer_lib.from_config(cfg.data)))
     return {"config": cfg.name, "step": step, "windows": len(windows), **result}
 
 

@@ -14,17 +14,20 @@ Every family (dense, moe, gdn, attnres) with every registered head (`serve/hf_fo
   B, the gate's w, and its lookup logσ(±z), z = wᵀ rmsnorm(M_v), as `head.log_weights`),
   described in config.json so the modeling file serves any number of tables.
 
-Each folder also has `model.safetensors` (fp32), `generation_config.json`
-(<|endoftext|> = 50256 as bos/eos/pad), the GPT-2 tokenizer (`tokenizer.json`, built offline
-from the bundled rank file; it matches `onona_jax.tokenizer.encode` except that it reads the
-text "<|endoftext|>" as the special token) and `onona_train_config.json` (the run's config,
+Each folder also has `model.safetensors` (fp32), `generation_config.json` (the run's
+end-of-document token as bos/eos/pad: GPT-2's <|endoftext|> = 50256 by default), the run's
+tokenizer (data.tokenizer, `hf_format.write_tokenizer`: GPT-2's and a tiktoken rank file
+converted to `tokenizer.json` offline, a HF tokenizer's `tokenizer.json` copied as it is; each
+matches the run's `Tokenizer.encode` except that it reads special-token text such as
+"<|endoftext|>" as the special token) and `onona_train_config.json` (the run's config,
 which `python -m onona_jax.train.import_hf --from_hf=OUT` uses to import it back exactly). Load it with
 
     transformers.AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
     transformers.AutoTokenizer.from_pretrained(OUT)
 
-The vocabulary keeps the model's padded size (50,304): ids 50,257.. never occur in the data
-and get (small) probabilities like any other row. Needs `transformers` and `safetensors` (pip install -e '.[test]').
+The vocabulary keeps the model's padded size (config.json's vocab_size: the tokenizer's entries
+rounded up to model.vocab_multiple, GPT-2's 50,304): the padding ids never occur in the data and
+get (small) probabilities like any other row. Needs `transformers` and `safetensors` (pip install -e '.[test]').
 
 OUT is written beside itself (`OUT.tmp-PID`) and moved into place when complete, so a failed
 export leaves OUT as it was. A non-empty OUT is refused unless `--overwrite`, which replaces
@@ -59,7 +62,9 @@ def export(workdir: str, output: str, step: int | None = None, tokenizer: bool =
     from onona_jax.checkpoint import restore_params, saved_config
 
     check_output(workdir, output, overwrite)  # before reading any checkpoint
-    check_exportable(saved_config(workdir, step).model)  # before restoring any array
+    saved = saved_config(workdir, step)
+    check_exportable(saved.model)  # before restoring any array
+    hf_format.check_tokenizer(saved, tokenizer)
     params, step, cfg, _ = restore_params(workdir, step, mesh)
     source = dict(workdir=paths.absolute(workdir), step=int(step), config=cfg.name)
 

@@ -7,7 +7,8 @@
 Prints the continuation, then a line of timings: tokens/s of the decode loop (compile time
 excluded and reported separately). `--one_projection` samples exactly at temperature 1 with
 one V×d projection per token (twin heads; see serve/server.py). An empty prompt starts a document
-(end-of-text token).
+(the end-of-document token). Text is encoded and decoded with the run's tokenizer
+(data.tokenizer of the checkpoint's config), whose end-of-document token `--stop_at_eot` stops at.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def fit_prompt(prompt: list, max_len: int, max_new_tokens: int) -> tuple[list, i
 def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
-    from onona_jax import tokenizer
     from onona_jax.serve.server import Server
 
     if fv.max_new_tokens < 1:
@@ -59,7 +59,8 @@ def _main(fv, args):
     if server.max_len <= fv.max_new_tokens:
         raise cli.UsageError(f"--max_new_tokens={fv.max_new_tokens} fills the whole context ({server.max_len} "
                              "tokens) with no room for the prompt; lower it or raise --max_len")
-    prompt, dropped = fit_prompt(tokenizer.encode(fv.prompt) or [tokenizer.EOT], server.max_len, fv.max_new_tokens)
+    tok = server.tokenizer
+    prompt, dropped = fit_prompt(tok.encode(fv.prompt) or [tok.eot], server.max_len, fv.max_new_tokens)
     if dropped:
         print(f"notice: the prompt is longer than the context allows ({server.max_len} tokens, "
               f"{fv.max_new_tokens} of them to generate): its first {dropped} tokens were dropped, "
@@ -67,10 +68,9 @@ def _main(fv, args):
     [tokens] = server.generate(
         [prompt], fv.max_new_tokens, greedy=fv.greedy, temperature=fv.temperature,
         top_k=fv.top_k, top_p=fv.top_p, one_projection=fv.one_projection,
-        seed=fv.seed, stop_tokens=(tokenizer.EOT,) if fv.stop_at_eot else (),
+        seed=fv.seed, stop_tokens=(tok.eot,) if fv.stop_at_eot else (),
     )
-    # Table rows past the tokenizer's 50,257 entries (padding) have no text.
-    text = tokenizer.decode([t for t in tokens if t < tokenizer.TOKENIZER_VOCAB])
+    text = tok.decode(tokens)  # table rows past the tokenizer's entries (padding) have no text: dropped
     print(text)
     s = server.last_stats
     mode = ("greedy" if fv.greedy else "one-projection sampling" if fv.one_projection else "sampling")

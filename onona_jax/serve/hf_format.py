@@ -469,15 +469,14 @@ def _common(m, max_positions: int) -> dict:
     )
 
 
-def hf_config(m, max_positions: int = 1024, head: dict | None = None):
-    """The transformers config object of `export_kind(m)` (eos = bos = pad = <|endoftext|>);
-    `head` is the head's description (`head_to_hf`), which an OnonaConfig carries."""
+def hf_config(m, max_positions: int = 1024, head: dict | None = None, *, eot: int):
+    """The transformers config object of `export_kind(m)` (eos = bos = pad = `eot`, the run's
+    end-of-document token); `head` is the head's description (`head_to_hf`), which an
+    OnonaConfig carries. Its vocab_size is the model's (the table's rows, padding included)."""
     import transformers
 
-    from onona_jax.tokenizer import EOT
-
     kind = export_kind(m)
-    common = dict(_common(m, max_positions), bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT)
+    common = dict(_common(m, max_positions), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
     moe = dict(num_experts=int(m.moe.n_experts), num_experts_per_tok=int(m.moe.top_k),
                moe_intermediate_size=int(m.moe.d_expert), norm_topk_prob=bool(m.moe.renormalize))
     if kind == "qwen3":
@@ -575,44 +574,98 @@ def _model_config_from_hf(hf: dict, base=None):
         m.attnres.block_size = int(hf.get("attnres_block_size", 1))
     if "mos_components" in hf:
         m.mos_components = int(hf.get("mos_components", 2))
-    if int(hf["vocab_size"]) < 50257:
-        raise ValueError(f"vocab_size={hf['vocab_size']}: import needs a GPT-2-sized vocabulary (≥ 50,257); "
-                         "the data pipeline and tasks use the GPT-2 tokenizer")
-    return c
+    return c  # data.tokenizer and the vocabulary's rounding: train/import_hf.py (the folder's tokenizer)
 
 
 # ----------------------------------------------------------------------------- export and import
 
 
-def write_tokenizer(output: str, max_length: int = 1024) -> list[str]:
-    """The GPT-2 BPE as a HF fast tokenizer (tokenizer.json + tokenizer_config.json), built
-    offline from the bundled rank file; returns the files written."""
+def write_tokenizer(output: str, tok=None, max_length: int = 1024) -> list[str]:
+    """The run's tokenizer (`onona_jax.tokenizer.Tokenizer`; GPT-2's when None) as a HF fast
+    tokenizer (tokenizer.json + tokenizer_config.json) that `AutoTokenizer.from_pretrained`
+    loads and that encodes as ours; returns the files written. Its eot is the bos, eos and pad
+    token (what the model was trained to end and start documents with).
+
+    - gpt2: built offline from the bundled rank file (TikTokenConverter);
+    - a tiktoken rank file: converted the same way, with the file's split pattern and its
+      special tokens at their own ids;
+    - a HF tokenizer: its tokenizer.json copied byte for byte (so an import of the folder gets
+      the same tokenizer identity back), tokenizer_config.json written anew (below).
+
+    tokenizer_config.json names PreTrainedTokenizerFast (which reads tokenizer.json as it is),
+    the eot as bos/eos/pad, model_max_length, and keeps a HF tokenizer's chat_template and
+    unk_token. (A tokenizer.json whose post-processor adds special tokens, e.g. a BOS, adds
+    them in transformers' default `tok(text)`; training encoded without: pass
+    add_special_tokens=False to match.)"""
+    from onona_jax import tokenizer as tokenizer_lib
+
+    tok = tok if tok is not None else tokenizer_lib.load()
+    tok._need_text()  # size:N has no files
+    config = {"backend": "tokenizers", "bos_token": tok.eot_text, "eos_token": tok.eot_text,
+              "model_max_length": int(max_length), "pad_token": tok.eot_text,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    if tok.kind == "hf":
+        tokenizer_json = os.path.join(output, "tokenizer.json")
+        shutil.copyfile(tok.files[0], tokenizer_json)
+        original = _read_json(tok.files[1], "fix or remove it") if len(tok.files) > 1 else {}
+        config.update({k: original[k] for k in ("chat_template", "unk_token") if original.get(k) is not None})
+        config_path = os.path.join(output, "tokenizer_config.json")
+        with open(config_path, "w") as f:
+            json.dump(dict(sorted(config.items())), f, indent=2)
+        return [config_path, tokenizer_json]
+    return _write_converted(output, tok, config)
+
+
+def _write_converted(output: str, tok, config: dict) -> list[str]:
+    """A tiktoken rank file (GPT-2's included) as a HF fast tokenizer: transformers'
+    TikTokenConverter (byte-level BPE, merges from the ranks, the split pattern, the special
+    tokens numbered after the ranks). Special tokens that do not follow the ranks in order with
+    no gap are placed in the vocabulary at their own ids first (`_converted_with_gaps`)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from onona_jax import tokenizer
-    from onona_jax.tokenizer import EOT, TOKENIZER_VOCAB
-
-    backend = TikTokenConverter(
-        vocab_file=tokenizer.ranks_path(), pattern=tokenizer.GPT2_PAT_STR,
-        extra_special_tokens={"<|endoftext|>": EOT},
-    ).converted()
-    if backend.get_vocab_size() != TOKENIZER_VOCAB:
-        raise ValueError(f"converted tokenizer has {backend.get_vocab_size()} entries, expected {TOKENIZER_VOCAB}")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=max_length,
-        add_prefix_space=False,
-    )
+    specials = dict(tok.special_tokens)  # in id order
+    backend = TikTokenConverter(vocab_file=tok.files[0], pattern=tok.pattern,
+                                extra_special_tokens=specials).converted()
+    if any(backend.token_to_id(t) != i for t, i in specials.items()):
+        backend = _converted_with_gaps(tok)
+    wrong = [(t, i, backend.token_to_id(t)) for t, i in specials.items() if backend.token_to_id(t) != i]
+    if wrong or max(backend.get_vocab().values()) + 1 != tok.n_vocab:
+        raise ValueError(f"converting {tok.describe()} to a HF tokenizer misplaced its special tokens "
+                         f"(token, id, HF id: {wrong[:3]}) or entries ({max(backend.get_vocab().values()) + 1} "
+                         f"ids for {tok.n_vocab})")
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tok.eot_text, eos_token=tok.eot_text,
+                                   unk_token=tok.eot_text, pad_token=tok.eot_text,
+                                   model_max_length=config["model_max_length"], add_prefix_space=False)
     files = list(fast.save_pretrained(output))
     # transformers 5 records its new class name; the older alias loads in 4.x and 5.x alike.
     config_path = os.path.join(output, "tokenizer_config.json")
     with open(config_path) as f:
         tok_config = json.load(f)
-    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config["tokenizer_class"] = config["tokenizer_class"]
     with open(config_path, "w") as f:
         json.dump(tok_config, f, indent=2)
     return files
+
+
+def _converted_with_gaps(tok):
+    """TikTokenConverter's tokenizer with the special tokens in the BPE vocabulary at their own
+    ids (no merge makes them: only the added-token match does)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab, merges = TikTokenConverter(vocab_file=tok.files[0]).extract_vocab_merges_from_model(tok.files[0])
+    vocab.update(dict(tok.special_tokens))
+    backend = Tokenizer(BPE(vocab, merges, fuse_unk=False))
+    backend.model.ignore_merges = True  # as the converter: a piece that is a token is that token
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tok.pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, _ in tok.special_tokens])
+    return backend
 
 
 def _save_safetensors(tensors: dict[str, np.ndarray], path: str):
@@ -620,6 +673,18 @@ def _save_safetensors(tensors: dict[str, np.ndarray], path: str):
 
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path,
               metadata={"format": "pt"})
+
+
+def check_tokenizer(cfg, tokenizer: bool = True):
+    """The run's tokenizer (`tokenizer.from_config(cfg.data)`), refused for export with its
+    files (`tokenizer`) when it has none (size:N, for planning)."""
+    from onona_jax import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.from_config(cfg.data)
+    if tokenizer and tok.kind == "size":
+        raise ValueError(f"data.tokenizer={tok.spec!r} names a vocabulary size only, with no tokenizer files to "
+                         "export; pass --notokenizer, or set the run's real tokenizer")
+    return tok
 
 
 def check_output(output: str, overwrite: bool = False) -> None:
@@ -680,19 +745,17 @@ def _install(tmp: Path, out: Path, files: list[str], overwrite: bool) -> None:
     tmp.rmdir()
 
 
-def _write_folder(folder: str, hf, state: dict, cfg, tokenizer: bool) -> None:
+def _write_folder(folder: str, hf, state: dict, cfg, tok, tokenizer: bool) -> None:
     from transformers import GenerationConfig
-
-    from onona_jax.tokenizer import EOT
 
     hf.save_pretrained(folder)
     if hf.model_type == "onona":
         for name in CODE_FILES:
             shutil.copyfile(os.path.join(HF_DIR, name), os.path.join(folder, name))
     _save_safetensors(state, os.path.join(folder, WEIGHTS))
-    GenerationConfig(bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT).save_pretrained(folder)
+    GenerationConfig(bos_token_id=tok.eot, eos_token_id=tok.eot, pad_token_id=tok.eot).save_pretrained(folder)
     if tokenizer:
-        write_tokenizer(folder, int(cfg.data.seq_len))
+        write_tokenizer(folder, tok, int(cfg.data.seq_len))
     with open(os.path.join(folder, TRAIN_CONFIG), "w") as f:
         f.write(cfg.to_json(indent=2))
 
@@ -707,13 +770,14 @@ def export(params, cfg, output: str, tokenizer: bool = True, overwrite: bool = F
     m = cfg.model
     check_supported(m)
     check_output(output, overwrite)
+    tok = check_tokenizer(cfg, tokenizer)  # the run's: its files, its eot (bos/eos/pad)
     state, head = to_hf_described(params, m)
-    hf = hf_config(m, max(1024, int(cfg.data.seq_len)), head)
+    hf = hf_config(m, max(1024, int(cfg.data.seq_len)), head, eot=tok.eot)
     out = Path(os.path.abspath(output))
     staging.remove_stale(out)
     tmp, lock_fd = staging.new(out)
     try:
-        _write_folder(str(tmp), hf, state, cfg, tokenizer)
+        _write_folder(str(tmp), hf, state, cfg, tok, tokenizer)
         (tmp / ".lock").unlink()  # our fd keeps the lock until the folder is in place
         files, mode = sorted(os.listdir(tmp)), _file_mode()
         for name in files:

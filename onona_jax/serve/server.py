@@ -2,7 +2,8 @@
 
     server = Server.from_workdir("runs/dense-small-twin")      # or Server(cfg, params)
     server.log_probs(tokens)                                     # [B, T, V] fp32, full forward
-    server.generate([[464, 3290], [40]], 32, greedy=True, stop_tokens=(EOT,))
+    tok = server.tokenizer                                       # the run's (data.tokenizer)
+    server.generate([tok.encode("It is"), [tok.eot]], 32, greedy=True, stop_tokens=(tok.eot,))
     server.generate(prompts, 32, one_projection=True, seed=1)    # exact sampling, one V×d projection
 
 Folding (`Head.fold`, done once): the input table the trunk reads (twin: M = (A+B)/2), the
@@ -245,12 +246,13 @@ class Server:
     head's `fold(cfg, head params)` as `folded`: then the unfolded tables are never held
     (`from_workdir` restores the head, folds it, lets it go, then restores the trunk).
     `max_len` bounds prompt + generated tokens (default: the config's `data.seq_len`, else
-    1024)."""
+    1024). `tokenizer` is the run's (`tokenizer.from_config(cfg.data)`): a full config has one."""
 
     def __init__(self, cfg, params, *, max_len: int | None = None, folded: dict | None = None):
         full = cfg if "model" in cfg else None
         m = model_lib.eval_config(full.model if full is not None else cfg)
         self.cfg = m
+        self.data = full.data if full is not None and "data" in full else None
         if max_len is None:
             max_len = full.data.seq_len if full is not None and "data" in full else DEFAULT_MAX_LEN
         self.max_len = int(max_len)
@@ -311,6 +313,17 @@ class Server:
         server = cls(cfg, trunk, max_len=max_len, folded=folded)
         server.step = used
         return server
+
+    @property
+    def tokenizer(self):
+        """The run's tokenizer (`onona_jax.tokenizer.Tokenizer`): its text, its eot (the stop
+        token of a document) and `decode`, which drops the table's padding rows."""
+        from onona_jax import tokenizer as tokenizer_lib
+
+        if self.data is None:
+            raise ValueError("this Server was built from a model config alone, which names no tokenizer; build it "
+                             "from the full config (Server(cfg, params) with cfg.data) or Server.from_workdir")
+        return tokenizer_lib.from_config(self.data)
 
     # -- pieces shared by scoring and decoding (traced)
 
@@ -426,7 +439,7 @@ class Server:
             raise ValueError("prompts: a non-empty list of token-id lists")
         rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         if any(r.size == 0 for r in rows):
-            raise ValueError("every prompt needs at least one token (e.g. [tokenizer.EOT] to start a document)")
+            raise ValueError("every prompt needs at least one token (e.g. [server.tokenizer.eot] to start a document)")
         lengths = [r.size for r in rows]
         self.last_stats = {"batch": len(rows), "prompt_tokens": int(sum(lengths))}
         if max_new_tokens <= 0:

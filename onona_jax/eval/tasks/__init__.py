@@ -7,7 +7,8 @@ scores them (its prompts, request tokenisation, rolling windows and aggregations
                                                                 "lambada": "lambada_test.jsonl"})
 
 Each result records the task, the harness task it follows, its metrics, the sample count,
-the scorer's max_length and the data's path and sha256. Formats per task: the modules'
+the scorer's max_length, the data's path and sha256 and the run's tokenizer (its identity:
+text is tokenised with it, and its eot starts every document). Formats per task: the modules'
 docstrings (`wikitext`, `lambada`, `multiple_choice`, `mmlu`) and README.md.
 """
 
@@ -82,5 +83,6 @@ def evaluate(scorer, names, paths: dict, *, shots: int = 5, limit: int | None = 
         result = run(scorer, name, paths[name], shots=shots, limit=limit)
         if limit:
             result["limit"] = limit
+        result["tokenizer"] = scorer.tokenizer.identity()
         out[name] = result
     return out

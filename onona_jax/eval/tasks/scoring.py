@@ -34,19 +34,20 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import models as model_lib
 from onona_jax import sharding
-from onona_jax.tokenizer import EOT, encode
+from onona_jax import tokenizer as tokenizer_lib
 
 MIN_BUCKET = 16
 
 # ----------------------------------------------------------------------------- text -> tokens
 
 
-def encode_pair(context: str, continuation: str, tok=encode, prefix_token: int = EOT):
+def encode_pair(context: str, continuation: str, tok, prefix_token: int):
     """(context tokens, continuation tokens) as lm-evaluation-harness's `TemplateLM` makes them.
 
     Trailing whitespace of the context moves to the continuation; the pair is encoded whole
     and the continuation is what follows the separately encoded context (so a merge across
-    the boundary stays in the context). An empty context becomes the prefix token (EOT)."""
+    the boundary stays in the context). An empty context becomes the prefix token (the
+    tokenizer's eot). `tok`: text -> ids (`Tokenizer.encode`)."""
     if context == "":
         cont = tok(continuation)
         if cont and cont[0] == prefix_token:
@@ -61,10 +62,11 @@ def encode_pair(context: str, continuation: str, tok=encode, prefix_token: int =
     return ctx, whole[len(ctx):]
 
 
-def rolling_windows(tokens: Sequence[int], max_length: int, prefix_token: int = EOT, context_len: int = 1):
+def rolling_windows(tokens: Sequence[int], max_length: int, prefix_token: int, context_len: int = 1):
     """Disjoint scoring windows over a token list: lm-evaluation-harness's
     `make_disjoint_window(get_rolling_token_windows(tokens, prefix_token, max_length, context_len))`.
 
+    `prefix_token` is the tokenizer's end-of-document id (`Tokenizer.eot`).
     Returns [(context, continuation)]; the continuations partition `tokens` in order, so
     every token is scored exactly once. With the harness's context_len=1:
 
@@ -157,10 +159,12 @@ class Scorer:
     """Log-likelihoods of (context, continuation) token requests under a model.
 
     `Scorer.from_workdir(DIR)` restores a checkpoint (the MoE with its evaluation capacity);
-    `Scorer(graphdef, params, mesh)` wraps parameters already on a mesh."""
+    `Scorer(graphdef, params, mesh, tokenizer=tok)` wraps parameters already on a mesh. Text
+    is tokenised with the run's tokenizer (`from_params`: `tokenizer.from_config(cfg.data)`),
+    whose eot is the prefix token."""
 
     def __init__(self, graphdef, params, mesh, *, batch_size: int = 8, max_length: int = 1024,
-                 chunk: int = 256, progress: bool = False):
+                 chunk: int = 256, progress: bool = False, tokenizer: tokenizer_lib.Tokenizer):
         if max_length < 1:
             raise ValueError(f"max_length={max_length} must be positive")
         self.graphdef, self.params, self.mesh = graphdef, params, mesh
@@ -170,12 +174,14 @@ class Scorer:
         self.batch_sharding = sharding.batch_sharding(mesh)
         self.cfg = None
         self.step = None
+        self.tokenizer = tokenizer
 
     @classmethod
     def from_params(cls, params, cfg, mesh, **kw) -> "Scorer":
         """A scorer over restored parameters (`checkpoint.restore_params`) on `mesh`; the
         graphdef is built from the family's evaluation config (MoE: capacity factor 4.0)."""
         graphdef, _ = model_lib.abstract(model_lib.eval_config(cfg.model))
+        kw.setdefault("tokenizer", tokenizer_lib.from_config(cfg.data))
         scorer = cls(graphdef, params, mesh, **kw)
         scorer.cfg = cfg
         return scorer
@@ -238,16 +244,24 @@ class Scorer:
 
     # ------------------------------------------------------------------ text requests
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` under the run's tokenizer."""
+        return self.tokenizer.encode(text)
+
+    def encode_pair(self, context: str, continuation: str):
+        """`encode_pair` with the run's tokenizer and its eot as the prefix token."""
+        return encode_pair(context, continuation, self.tokenizer.encode, self.tokenizer.eot)
+
     def loglikelihood(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
         """Harness `loglikelihood` on (context, continuation) strings."""
-        return self.loglikelihood_tokens([encode_pair(c, x) for c, x in pairs])
+        return self.loglikelihood_tokens([self.encode_pair(c, x) for c, x in pairs])
 
     def loglikelihood_rolling(self, texts: Sequence[str]) -> list[float]:
         """Harness `loglikelihood_rolling`: the log-likelihood of each whole text, scored in
         disjoint windows of `max_length` tokens (`rolling_windows`, context_len=1)."""
         requests, owner = [], []
         for i, text in enumerate(texts):
-            for w in rolling_windows(encode(text), self.max_length):
+            for w in rolling_windows(self.encode(text), self.max_length, self.tokenizer.eot):
                 requests.append(w)
                 owner.append(i)
         total = [0.0] * len(texts)

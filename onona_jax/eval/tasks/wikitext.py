@@ -13,12 +13,14 @@ Formats read:
   file, each "" row restored as the raw file's blank line " \\n", then split as above.
 
 Each document is detokenised (the harness's `wikitext_detokenizer`) and scored whole with
-rolling windows (`scoring.rolling_windows`, max_length tokens, context_len 1, EOT prefix).
-Words and bytes are counted on the ORIGINAL page, before detokenisation, as the harness
-does: words = len(re.split(r"\\s+", page)), bytes = len(page.encode("utf-8")). Then
-word_perplexity = exp(-Σ ll / Σ words), byte_perplexity = exp(-Σ ll / Σ bytes),
-bits_per_byte = -Σ ll / Σ bytes / ln 2 (the harness's weighted_perplexity and bits_per_byte
-aggregations). token_perplexity (ours) is exp(-Σ ll / Σ scored tokens).
+rolling windows (`scoring.rolling_windows`, max_length tokens, context_len 1, the run's
+tokenizer, its eot as the prefix). Words and bytes are counted on the ORIGINAL page, before
+detokenisation, as the harness does: words = len(re.split(r"\\s+", page)), bytes =
+len(page.encode("utf-8")). Then word_perplexity = exp(-Σ ll / Σ words), byte_perplexity =
+exp(-Σ ll / Σ bytes), bits_per_byte = -Σ ll / Σ bytes / ln 2 (the harness's
+weighted_perplexity and bits_per_byte aggregations): the same words and bytes whatever the
+tokenizer, so these compare across tokenizers. token_perplexity (ours) is
+exp(-Σ ll / Σ scored tokens), which does not (a tokenizer of longer tokens has fewer).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import re
 
 from onona_jax.eval.tasks import data as data_lib
 from onona_jax.eval.tasks.scoring import rolling_windows
-from onona_jax.tokenizer import encode
 
 HARNESS_TASK = "wikitext"
 RAW_NAMES = ("wiki.test.raw", os.path.join("wikitext-2-raw", "wiki.test.raw"))
@@ -121,9 +122,9 @@ def evaluate(scorer, path: str, limit: int | None = None) -> dict:
     requests, owner = [], []
     tokens = 0
     for i, page in enumerate(docs):
-        ids = encode(detokenize(page))
+        ids = scorer.encode(detokenize(page))
         tokens += len(ids)
-        for w in rolling_windows(ids, scorer.max_length):
+        for w in rolling_windows(ids, scorer.max_length, scorer.tokenizer.eot):
             requests.append(w)
             owner.append(i)
     ll = [0.0] * len(docs)
