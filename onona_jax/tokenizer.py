@@ -281,7 +281,7 @@ def _load_hf(path: str, eot: str) -> Tokenizer:
         import tokenizers
     except ImportError:
         raise ValueError(f"data.tokenizer={path!r} is a Hugging Face tokenizer, which needs the `tokenizers` "
-                         "package: pip install tokenizers") from None
+                         "package: pip install -e '.[hf-tokenizer]' (or pip install tokenizers)") from None
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
