@@ -7,7 +7,7 @@ Sizes `142m`, `330m`, `1b` are the paper's (SPEC §3-4); `tiny` is for tests and
 for experiments that finish in minutes on a 2-core CPU. `3b` and `8b` go past the paper with
 Llama-3.2-3B's and Llama-3-8B's trunk shapes (GQA 8 KV heads of 128; 8b's FFN 14,336 wide):
 Dense Standard 3.21B and 7.50B parameters at Llama-3's vocabulary
-(`--config.data.tokenizer=size:128256`), 2.97B and 7.21B at GPT-2's (README "Models and configs").
+(`--config.data.tokenizer=size:128256`), 2.97B and 7.19B at GPT-2's (README "Models and configs").
 """
 
 from onona_jax.config import ARCHS, HEADS, base_config, ffn_width, validate
