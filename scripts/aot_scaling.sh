@@ -83,6 +83,10 @@ for row in $rows; do
       gpu=${row##*-}; spec=${row%-*}; tok=gpt2; case $spec in *-v128256) tok=size:128256 ;; esac
       aot ${spec}-${gpu}-8 --config=configs/paper.py:${spec%-v128256}-twin --config.data.tokenizer=$tok --topology=${gpu}-8 $FSDP \
         --compare_head=standard --config.train.micro_batch=8 --config.model.remat=attention --noeval_step ;;
+    # --fit on one H100 host (dense-8b-twin at 50,304: it chose remat=dots, 4 × 32), and the 128,256 row at that plan
+    dense-8b-h100-fit) aot dense-8b-h100-8-fit --config=configs/paper.py:dense-8b-twin --topology=h100-8 $FSDP --compare_head=standard --fit --noeval_step ;;
+    dense-8b-v128256-h100-dots) aot dense-8b-v128256-h100-8-dots --config=configs/paper.py:dense-8b-twin --config.data.tokenizer=size:128256 \
+      --topology=h100-8 $FSDP --compare_head=standard --config.train.micro_batch=4 --config.model.remat=dots --noeval_step ;;
     *) echo "unknown row $row" >&2 ;;
   esac
 done
