@@ -4,18 +4,24 @@
     python train.py --config=configs/paper.py:dense-small-standard --config.train.steps=500
 
 Sizes `142m`, `330m`, `1b` are the paper's (SPEC §3-4); `tiny` is for tests and `small`
-for experiments that finish in minutes on a 2-core CPU.
+for experiments that finish in minutes on a 2-core CPU. `3b` and `8b` go past the paper with
+Llama-3.2-3B's and Llama-3-8B's trunk shapes (GQA 8 KV heads of 128; 8b's FFN 14,336 wide):
+Dense Standard 3.21B and 7.50B parameters at Llama-3's vocabulary
+(`--config.data.tokenizer=size:128256`), 2.97B and 7.19B at GPT-2's (README "Models and configs").
 """
 
 from onona_jax.config import ARCHS, HEADS, base_config, ffn_width, validate
 
-#            d_model  layers  heads  kv_heads  head_dim
+# d_ff 0: config.ffn_width(d_model), 8d/3 rounded up to 64 (SPEC §3).
+#            d_model  layers  heads  kv_heads  head_dim  d_ff
 SIZES = {
-    "tiny": (64, 2, 4, 2, 16),
-    "small": (128, 4, 4, 2, 32),
-    "142m": (768, 16, 12, 6, 64),
-    "330m": (1024, 24, 16, 8, 64),
-    "1b": (2048, 20, 32, 16, 64),
+    "tiny": (64, 2, 4, 2, 16, 0),
+    "small": (128, 4, 4, 2, 32, 0),
+    "142m": (768, 16, 12, 6, 64, 0),
+    "330m": (1024, 24, 16, 8, 64, 0),
+    "1b": (2048, 20, 32, 16, 64, 0),
+    "3b": (3072, 28, 24, 8, 128, 0),  # Llama-3.2-3B's trunk (its FFN, 8,192, is ffn_width's)
+    "8b": (4096, 32, 32, 8, 128, 14_336),  # Llama-3-8B's trunk (ffn_width would give 10,944: 6.2B)
 }
 
 # Training per size: tokens a step = global_batch × seq_len. 40 tokens per parameter of the
@@ -27,7 +33,13 @@ TRAIN = {
     "142m": (256, 16, 1024, 0, 1000, 500, 1024, 1000),
     "330m": (256, 16, 1024, 0, 1000, 500, 1024, 1000),
     "1b": (512, 8, 1024, 78_800, 1000, 500, 1024, 1000),  # the paper ran 78,800 steps (≈40.07 TPP)
+    # Past the paper: 4,096-token sequences, 2M (3b) and 4M (8b) tokens a step, 40 TPP; micro_batch 0,
+    # as `python -m onona_jax.aot --fit` plans it (docs/SCALING.md "Sizes past the paper").
+    "3b": (512, 0, 4096, 0, 2000, 1000, 256, 1000),
+    "8b": (1024, 0, 4096, 0, 2000, 1000, 256, 1000),
 }
+# Peak and final learning rates where the paper's 1e-3 / 1e-4 is too high (Llama-3's 3e-4 at 8B).
+LR = {"3b": (3e-4, 3e-5), "8b": (3e-4, 3e-5)}
 
 
 def get_config(arg: str = "dense-small-twin"):
@@ -41,10 +53,10 @@ def get_config(arg: str = "dense-small-twin"):
         )
     c = base_config()
     c.name = arg
-    d, layers, heads, kv, head_dim = SIZES[size]
+    d, layers, heads, kv, head_dim, d_ff = SIZES[size]
     c.model.update(
         arch=arch, head=head, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv,
-        head_dim=head_dim, d_ff=ffn_width(d),
+        head_dim=head_dim, d_ff=d_ff or ffn_width(d),
     )
     gb, mb, seq, steps, warmup, eval_every, windows, ckpt = TRAIN[size]
     c.train.update(
@@ -53,6 +65,8 @@ def get_config(arg: str = "dense-small-twin"):
     )
     c.data.seq_len = seq
     c.eval.windows = windows
+    if size in LR:
+        c.train.lr, c.train.final_lr = LR[size]
     # Families (SPEC §3). MoE: 8 experts of half the dense FFN width, top-2, so the active
     # FFN matches Dense. GDN: heads of 128 dims covering d_model.
     c.model.moe.d_expert = c.model.d_ff // 2

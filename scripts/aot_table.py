@@ -3,6 +3,7 @@
     python scripts/aot_table.py docs/aot/*.json           # one row per head and report
     python scripts/aot_table.py --plans docs/aot/*.json   # --fit's plans, with modelled step times
     python scripts/aot_table.py --links docs/aot/*.json   # collectives by kind, within / across slices
+    python scripts/aot_table.py --ratios docs/aot/*.json  # one row per report: twin against standard
 """
 
 import json
@@ -58,6 +59,19 @@ def plans(path):
                f"{p['overlapped_s']:.3f}–{p['serial_s']:.3f} |")
 
 
+def ratios(path):
+    """One row per --compare_head report: the plan, each head's HBM per chip, twin/standard HBM
+    and model FLOPs, compile seconds. Reports from before `vocab_size` was recorded were all
+    at GPT-2's vocabulary (the only tokenizer then)."""
+    r = json.load(open(path))
+    s, (twin, std) = r["slice"], (r["heads"][h]["train"] for h in ("twin", "standard"))
+    mesh = ", ".join(f"{k} {v}" for k, v in twin["mesh"].items() if v != 1) or "1 device"
+    plan = f"{mesh}; {twin['micro_batch']} × {twin['accum']}, remat {twin['remat']}" + (" (--fit)" if r.get("fit") else "")
+    return (f"| {r['config'].rsplit('-', 1)[0]} | {r.get('vocab_size', 50304):,} | {s.get('label', s['name'])} | {plan} | "
+            f"{twin['total'] / GiB:.2f} | {std['total'] / GiB:.2f} / {twin['hbm'] / GiB:.2f} | **{r['ratio']['hbm_total']:.3f}** | "
+            f"{r['ratio']['model_flops']:.3f} | {twin['model_flops'] / 1e12:.1f} | {twin['compile_s']:.0f} s, {std['compile_s']:.0f} s |")
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args and args[0] == "--links":
@@ -66,6 +80,12 @@ if __name__ == "__main__":
         for p in args[1:]:
             for row in links(p):
                 print(row)
+    elif args and args[0] == "--ratios":
+        print("| model | V | slice | plan: mesh; micro-batch × accum, remat | twin GiB/chip | standard GiB/chip / HBM | "
+              "twin/std HBM | twin/std model FLOPs | twin model TFLOP/chip | compile twin, std |")
+        print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
+        for p in args[1:]:
+            print(ratios(p))
     elif args and args[0] == "--plans":
         print("| config | slice | remat | micro-batch × accum | total GiB | collectives GB | recomputed TFLOP/chip | "
               "compute s | HBM s | collectives s | modelled s/step (overlapped–serial) |")

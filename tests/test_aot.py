@@ -442,6 +442,26 @@ def test_config_that_does_not_fit_exits_1_with_needed_available_and_overrides():
     assert "NO" in r.stdout.split("twin       train")[1].splitlines()[0]
 
 
+@needs_libtpu
+def test_report_records_the_vocabulary_and_the_ratio_row(tmp_path):
+    """Any tokenizer's vocabulary (here a planning tokenizer of 1,000 entries: 1,024 rows) is in
+    the JSON report, and scripts/aot_table.py --ratios reads its twin/standard row from it."""
+    import json
+
+    out = tmp_path / "r.json"
+    r = _cli("--config=configs/paper.py:dense-tiny-twin", "--config.data.tokenizer=size:1000", "--topology=v5e-4",
+             "--compare_head=standard", "--noeval_step", f"--json_out={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert (report["tokenizer"], report["vocab_size"]) == ("size:1000", 1024)
+    # twin's extra [V, d] table and its second projection: more HBM and more model FLOPs
+    assert report["ratio"]["hbm_total"] > 1 and report["ratio"]["model_flops"] > 1
+    row = subprocess.run([sys.executable, "scripts/aot_table.py", "--ratios", str(out)], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+    assert row.startswith("| dense-tiny | 1,024 | v5e-4 | ")
+    assert f"**{report['ratio']['hbm_total']:.3f}** | {report['ratio']['model_flops']:.3f} |" in row
+
+
 def test_without_libtpu_the_message_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert compiler_missing(get_slice("v5e-16")) == libtpu_missing()

@@ -41,6 +41,66 @@ def test_twin_adds_vd_plus_d(size):
     assert twin - std == 50304 * d + d
 
 
+def dense_count(V, d, layers, heads, kv_heads, head_dim, d_ff, head):
+    """Dense parameters by a closed formula, independent of the model code: the tied table V·d
+    (twin: a second V·d table and the gate's d); per layer q and o (d · heads·head_dim each),
+    k and v (d · kv_heads·head_dim each), QK-norm (2 · head_dim), SwiGLU (3 · d · d_ff) and two
+    RMSNorms (2d); the final RMSNorm (d)."""
+    attention = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 2 * head_dim
+    layer = attention + 3 * d * d_ff + 2 * d
+    tables = (2 if head == "twin" else 1) * V * d
+    return tables + (d if head == "twin" else 0) + layers * layer + d
+
+
+def load_at(spec, tokenizer):
+    cfg = config.from_spec(os.path.join(REPO, f"configs/paper.py:{spec}"))
+    cfg.data.tokenizer = tokenizer
+    return config.validate(cfg)
+
+
+# (d, layers, heads, kv_heads, head_dim, d_ff) of configs/paper.py's sizes, restated
+SHAPES = {"142m": (768, 16, 12, 6, 64, 2048), "1b": (2048, 20, 32, 16, 64, 5504),
+          "3b": (3072, 28, 24, 8, 128, 8192), "8b": (4096, 32, 32, 8, 128, 14336)}
+
+
+@pytest.mark.parametrize("head", ["standard", "twin"])
+@pytest.mark.parametrize(
+    "size,tokenizer,V,standard",
+    [
+        ("142m", "size:128256", 128_256, 202_337_024),  # Llama-3's vocabulary
+        ("142m", "size:151936", 151_936, 220_523_264),  # Qwen's (151,936 is a multiple of 128)
+        ("1b", "size:128256", 128_256, 1_190_744_576),
+        ("1b", "size:151936", 151_936, 1_239_241_216),
+        ("3b", "gpt2", 50_304, 2_973_288_448),
+        ("3b", "size:128256", 128_256, 3_212_756_992),
+        ("8b", "gpt2", 50_304, 7_185_641_472),
+        ("8b", "size:128256", 128_256, 7_504_932_864),
+    ],
+)
+def test_exact_parameter_counts_at_other_vocabularies(size, tokenizer, V, standard, head, capsys):
+    """Any tokenizer's vocabulary (data.tokenizer=size:N, rounded up to 128) and the sizes past
+    the paper: the closed formula, the parameter tree `init` builds (abstractly: jax.eval_shape,
+    nothing allocated or compiled) and the summary CLI agree, to the parameter."""
+    from onona_jax import params as params_lib
+
+    cfg = load_at(f"dense-{size}-{head}", tokenizer)
+    d = SHAPES[size][0]
+    assert cfg.model.vocab_size == V
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads,
+            cfg.model.head_dim, cfg.model.d_ff) == SHAPES[size]
+    expected = dense_count(V, *SHAPES[size], head)
+    assert expected == (standard if head == "standard" else standard + V * d + d)
+    _, state = model.abstract(cfg.model)
+    tree = jax.eval_shape(lambda: params_lib.init_params(state, 0))
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)) == expected
+    assert summary.main([f"--config={REPO}/configs/paper.py:dense-{size}-{head}",
+                         f"--config.data.tokenizer={tokenizer}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["total"] == expected
+    assert out["tables"] == (2 if head == "twin" else 1) * V * d
+    assert out["non_embedding"] == expected - out["tables"]
+
+
 def test_summary_cli_json(capsys):
     assert summary.main([f"--config={REPO}/configs/paper.py:dense-142m-twin", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

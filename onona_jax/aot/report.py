@@ -87,8 +87,9 @@ def analyse(cfg, s: Slice, compare_head: str | None = None, do_fit: bool = False
     if len(devices) != s.devices:
         raise RuntimeError(f"{s.topology} has {len(devices)} devices; the table says {s.devices}")
     hbm = hbm or s.hbm_per_device
-    result = {"config": cfg.name, "slice": {**dataclasses.asdict(s), "label": s.label, "devices": s.devices,
-                                             "hbm_per_device": hbm}, "heads": {}}
+    result = {"config": cfg.name, "tokenizer": cfg.data.tokenizer, "vocab_size": cfg.model.vocab_size,
+              "slice": {**dataclasses.asdict(s), "label": s.label, "devices": s.devices,
+                        "hbm_per_device": hbm}, "heads": {}}
     if do_fit:
         found = fit(cfg, s, devices, hbm, log)
         result["fit"] = {"overrides": found["overrides"], "tried": found["tried"],
