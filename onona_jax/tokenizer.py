@@ -120,6 +120,7 @@ class Tokenizer:
     pattern: str = ""  # a rank file's split regex
     special_tokens: tuple[tuple[str, int], ...] = ()
     _impl: object = None  # tiktoken.Encoding | tokenizers.Tokenizer | None
+    _added: frozenset = frozenset()  # a HF tokenizer's added-token ids (their text is not byte-level)
 
     # -------------------------------------------------------------- text
     def _need_text(self):
@@ -157,7 +158,7 @@ class Tokenizer:
             if piece is None:
                 return b""
             dec = _byte_decoder()
-            if all(ch in dec for ch in piece) and not self._impl.get_added_tokens_decoder().get(int(i)):
+            if all(ch in dec for ch in piece) and int(i) not in self._added:
                 return bytes(dec[ch] for ch in piece)
             return self._impl.decode([int(i)], skip_special_tokens=False).encode("utf-8")
         try:
@@ -303,12 +304,14 @@ def _load_hf(path: str, eot: str) -> Tokenizer:
         files.append(config_file)
         eos = json.loads(open(config_file, "rb").read()).get("eos_token")
         config_eos = eos.get("content", "") if isinstance(eos, dict) else (eos or "")
-    specials = {t.content: i for i, t in impl.get_added_tokens_decoder().items() if t.special}
+    added = impl.get_added_tokens_decoder()  # read once: token_bytes asks per token
+    specials = {t.content: i for i, t in added.items() if t.special}
     eot_text, eot_id = _pick_eot(specials, eot, file, config_eos)
     name = os.path.basename(os.path.normpath(folder)) if os.path.basename(file) == "tokenizer.json" else os.path.basename(file)
     return Tokenizer(spec=path, kind="hf", name=name or "tokenizer.json", n_vocab=impl.get_vocab_size(with_added_tokens=True),
                      eot=eot_id, eot_text=eot_text, sha256=_sha256(raw), files=tuple(files),
-                     special_tokens=tuple(sorted(specials.items(), key=lambda kv: kv[1])), _impl=impl)
+                     special_tokens=tuple(sorted(specials.items(), key=lambda kv: kv[1])), _impl=impl,
+                     _added=frozenset(added))
 
 
 def _load_size(spec: str) -> Tokenizer:
