@@ -297,6 +297,7 @@ def jax_side(cfg):
         dt = time.perf_counter() - t0
         return float(metrics["loss"]), dt
 
+    step.compiled = compiled  # its optimized HLO for profile_step.py
     return params, decays, n_params, step
 
 
@@ -386,6 +387,7 @@ def paired_rounds(workers: list, rounds: int, log, seconds=lambda name, reply: r
     for r in range(rounds):
         k = r % len(workers)
         for w in workers[k:] + workers[:k]:
+            time.sleep(float(os.environ.get("PEER_GAP", 0)))
             times[w.name].append(w.step())
         log(f"  round {r}: " + ", ".join(f"{n} {seconds(n, t[-1]):.3f}" for n, t in times.items()))
     return times

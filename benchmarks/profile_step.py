@@ -8,7 +8,7 @@ Compiles the step as `benchmarks/peer.py` does (`common.jax_side`: one device, t
 step), runs `--untraced` steps (their median time, minor page faults a step and the process's
 peak RSS, with or without `common.keep_freed_memory`), traces `--steps` steps and prints the `--top` ops
 by time per step, each with its output shape and the JAX operation it came from (from the
-optimized HLO, dumped to a temporary directory).
+compiled step's optimized HLO).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import collections
 import glob
 import gzip
 import json
-import os
 import re
 import statistics
 import sys
@@ -50,9 +49,6 @@ def _main(FLAGS, rest, argv):
     if FLAGS.steps < 1 or FLAGS.untraced < 1 or FLAGS.top < 1:
         raise cli.UsageError("--steps, --untraced and --top must be ≥ 1")
     cfg = common.jax_config(*common.config_args(FLAGS, argv, DEFAULT_CONFIG))  # bad overrides: before XLA starts
-    # The optimized HLO names each op's shape and source: dumped here, set before jax is imported.
-    dump = tempfile.mkdtemp(prefix="onona-hlo-")
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_pass_re=NONE"
     import resource
 
     import jax
@@ -81,7 +77,7 @@ def _main(FLAGS, rest, argv):
         if e.get("ph") == "X" and "dur" in e:
             total[e["name"]] += e["dur"] / 1e3 / FLAGS.steps
             count[e["name"]] += 1
-    hlo = "".join(open(f).read() for f in glob.glob(f"{dump}/*jit_train_step.cpu_after_optimizations.txt"))
+    hlo = step.compiled.as_text()  # the optimized HLO names each op's shape and source
     print(f"{'ms/step':>8} {'calls':>5}  op  shape  source")
     shown = 0
     for name, ms in total.most_common():

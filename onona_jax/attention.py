@@ -39,17 +39,10 @@ QKV, OUTPUT = "qkv", "attention"
 SPLASH_BLOCKS = (512, 256, 128)
 
 
-def platform() -> str:
-    """"tpu", "gpu" or "cpu": the devices of the active mesh, else JAX's default backend."""
-    mesh = sharding.active_mesh()
-    name = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return "gpu" if name in ("gpu", "cuda", "rocm") else name
-
-
 def resolve(impl: str | None, dtype) -> str:
     """The backend `impl` names on this platform (`auto` decides; None is `xla`, as configs
     saved before `auto` existed meant). A kernel the platform cannot run is an error."""
-    where, low = platform(), jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    where, low = sharding.platform(), jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     impl = "xla" if impl is None else impl
     if impl == "auto":
         impl = "splash" if where == "tpu" else "cudnn" if where == "gpu" and low else "xla"
@@ -72,7 +65,7 @@ def causal_attention(q, k, v, impl: str | None = "auto"):
     """Causal grouped-query attention by `impl` (see the module docstring) → [B, T, N, hd]."""
     impl = resolve(impl, q.dtype)
     if impl == "splash":
-        return splash_attention(q, k, v, interpret=platform() != "tpu")  # off TPU: Pallas interpret mode
+        return splash_attention(q, k, v, interpret=sharding.platform() != "tpu")  # off TPU: Pallas interpret mode
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
 

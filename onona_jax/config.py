@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.remat = "none"  # none | dots | attention | attention_experts | attention_offload | full (layers.REMAT_POLICIES)
     m.attention_impl = "auto"  # auto: splash on TPU, cuDNN on GPU (bf16), XLA on CPU | xla | splash | cudnn (attention.py)
     m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
-    m.loss_token_tile = loss_lib.DEFAULT_TOKEN_TILE  # tokens per tile (per device) of the fused loss (loss.py says why 256)
+    m.loss_token_tile = 0  # tokens per tile (per device) of the fused loss; 0: 256 on TPU/GPU, 1,024 on CPU (loss.py says why)
     m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
     m.mos_components = 2  # K of the mos / moss heads
     m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
@@ -210,7 +210,7 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     for problem in attention.check_shape(m.attention_impl, m.head_dim):
         need(False, problem)
     need(m.loss in ("fused", "fused_vocab", "plain"), f"model.loss {m.loss!r}: fused, fused_vocab or plain")
-    need(m.loss_token_tile > 0, f"model.loss_token_tile={m.loss_token_tile} must be positive")
+    need(m.loss_token_tile >= 0, f"model.loss_token_tile={m.loss_token_tile}: a positive number of tokens, or 0 for the platform's default")
     need(m.loss_chunk > 0, f"model.loss_chunk={m.loss_chunk} must be positive")
     need(m.mos_components >= 1, f"model.mos_components={m.mos_components} must be at least 1 (K of the mos/moss heads)")
     pattern = models.layer_pattern(m)

@@ -127,7 +127,7 @@ def mixture_log_probs(m: Mixture) -> jax.Array:
 
 
 def mixture_target_log_probs(m: Mixture, targets, loss: str = "plain", chunk: int = 4096, layout=None,
-                             token_tile: int = loss_lib.DEFAULT_TOKEN_TILE):
+                             token_tile: int = 0):
     """log p(target) [...] of a mixture (`model.loss`): "fused", the token-tiled loss of
     `loss.py` for every mixture; "fused_vocab", the vocabulary-tiled one of `loss_vocab.py`
     (tiles of `chunk` rows) where it covers the mixture (components sharing h, no score
@@ -153,7 +153,7 @@ def gate_log_weights(z: jax.Array) -> jax.Array:
 
 
 def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chunk: int = 4096, layout=None,
-                           token_tile: int = loss_lib.DEFAULT_TOKEN_TILE):
+                           token_tile: int = 0):
     """log p(target) under softmax(h Tᵀ) (one table) or the gated mixture of two (z the gate
     logit); see `mixture_target_log_probs`."""
     lw = None if z is None else gate_log_weights(z)

@@ -44,11 +44,28 @@ import jax
 import jax.numpy as jnp
 from jax import custom_derivatives as cd
 
+from onona_jax import sharding
+
 F32 = jnp.float32
 SCORES = (None, "sigsoftmax")
-# Tokens per tile (per device). 256 keeps the twin/standard HBM ratio at 1.041 for 142M on
-# v5e-16 (fsdp 16, micro-batch 4); 1,024 gave 1.074 (docs/SCALING.md).
-DEFAULT_TOKEN_TILE = 256
+# Tokens per tile (per device), by platform (`resolve_token_tile`). Accelerators: 256 keeps the
+# twin/standard HBM ratio at 1.041 for 142M on v5e-16 (fsdp 16, micro-batch 4); 1,024 gave
+# 1.074 (docs/SCALING.md). CPU: memory is no constraint, and each tile's ∂T product writes the
+# whole [V, d] gradient, so short tiles are slow GEMMs: at d 512, V 50,304, four 256-token tiles
+# take 4 × 235 ms where one 1,024-token tile takes 679 ms (docs/PERFORMANCE.md).
+ACCELERATOR_TOKEN_TILE = 256
+CPU_TOKEN_TILE = 1024
+
+
+def resolve_token_tile(configured: int = 0) -> int:
+    """`model.loss_token_tile`: itself when positive; 0 (auto) is CPU_TOKEN_TILE where the step
+    compiles for the CPU and ACCELERATOR_TOKEN_TILE for TPU and GPU (`sharding.platform`: the
+    active mesh's devices, so a deviceless TPU compile on this CPU gets the TPU's tile)."""
+    if configured < 0:
+        raise ValueError(f"token_tile={configured}: a positive number of tokens, or 0 for the platform's default")
+    if configured:
+        return int(configured)
+    return CPU_TOKEN_TILE if sharding.platform() == "cpu" else ACCELERATOR_TOKEN_TILE
 
 
 # ----------------------------------------------------------------------------- plain reference
@@ -277,7 +294,7 @@ def _nll_bwd(score, tile, layout, res, cts):
 _nll.defvjp(_nll_fwd, _nll_bwd, symbolic_zeros=True)
 
 
-def mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=DEFAULT_TOKEN_TILE,
+def mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=0,
                 layout=None):
     """(loss, log p): loss = Σ_n weights_n·(−log p_n) (scalar fp32, differentiable; its
     gradients are computed in the forward pass), log p [N] fp32.
@@ -285,17 +302,17 @@ def mixture_nll(hs, tables, log_weights, targets, weights, *, score=None, token_
     hs: [N, d] (one hidden state for every component) or [N, K, d] (one per component);
     tables: K tables [V, d], or one shared by the K components; log_weights: [N, K] log
     mixture weights, None for K = 1; targets [N] int; weights [N] per-token loss weights;
-    score: None or "sigsoftmax"; token_tile: tokens per tile (per device); layout: None or
+    score: None or "sigsoftmax"; token_tile: tokens per tile (per device), 0 for the platform's
+    (`resolve_token_tile`); layout: None or
     (mesh, batch mesh axes, vocab mesh axis or None)."""
     K, tables = _check(hs, tables, log_weights, score)
-    if token_tile <= 0:
-        raise ValueError(f"token_tile={token_tile} must be positive")
+    tile = resolve_token_tile(token_tile)
     hs3 = hs[:, None] if hs.ndim == 2 else hs
     lw = None if log_weights is None else log_weights.astype(F32)
-    return _nll(hs3, tables, lw, targets, weights.astype(F32), score, int(token_tile), layout)
+    return _nll(hs3, tables, lw, targets, weights.astype(F32), score, tile, layout)
 
 
-def head_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=DEFAULT_TOKEN_TILE,
+def head_nll(hs, tables, log_weights, targets, weights, *, score=None, token_tile=0,
              layout=None):
     """`mixture_nll` for a head's arrays with leading dims (hs [..., (K,) d], log_weights
     [..., K], targets and weights [...]); log p keeps the leading dims. `layout`:

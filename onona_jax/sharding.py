@@ -282,6 +282,14 @@ def active_mesh() -> Mesh | None:
     return None if found is None else found[0]
 
 
+def platform() -> str:
+    """"tpu", "gpu" or "cpu": the devices of the active mesh (what a step compiles for, also a
+    deviceless TPU compile on this CPU), else JAX's default backend."""
+    mesh = active_mesh()
+    name = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
 def constrain(x, logical: Iterable[str | None]):
     active = _ACTIVE.get()
     if active is None:

@@ -107,9 +107,7 @@ def resolve_dispatch(name: str) -> str:
     tokens to experts on other devices: sort or dense with mesh.expert > 1 is an error."""
     ep = expert_parallelism()
     if name == "auto":
-        from onona_jax.attention import platform
-
-        return "grouped" if ep > 1 or platform() != "cpu" else "sort"
+        return "grouped" if ep > 1 or sharding.platform() != "cpu" else "sort"
     if ep > 1 and name != "grouped":
         raise ValueError(f"model.moe.dispatch={name!r} cannot run with mesh.expert={ep}: only the grouped "
                          "dispatch sends tokens to experts on other devices; use model.moe.dispatch=grouped "
