@@ -57,6 +57,7 @@ from absl import flags
 import common  # benchmarks/common.py, beside this script
 from onona_jax import chips, cli
 from onona_jax import config as config_lib
+from onona_jax import loss as loss_lib
 from onona_jax import summary
 from onona_jax import train as trainer
 
@@ -77,6 +78,9 @@ PAPER_142M_TWIN_TOKENS_PER_S = 422_000  # 2×H100 (SPEC §6)
 # ----------------------------------------------------------------------------- configs
 
 
+# The memory sections model an accelerator's step, compiled by XLA:CPU: they use the loss token tile
+# TPU and GPU run (model.loss_token_tile = 0 would give this CPU's 512, loss.resolve_token_tile).
+ACCELERATOR_TILE = loss_lib.ACCELERATOR_TOKEN_TILE
 OVERRIDES: dict = {}  # --config.<key>=value overrides, applied to every config (e.g. model.attention_impl)
 
 
@@ -158,7 +162,7 @@ def bench_memory(size, batch, seq, chunks, remats, log, heads=HEADS, losses=LOSS
         specs += [(h, "fused_vocab", c) for c in [dc] + [c for c in chunks if c != dc] for h in heads
                   if "fused_vocab" in losses and vocab_tiled_ok(h)]
         for head, loss, chunk in specs:
-            cfg = make_config(size, head, loss, chunk, batch, seq, remat=remat)
+            cfg = make_config(size, head, loss, chunk, batch, seq, remat=remat, token_tile=ACCELERATOR_TILE)
             t0 = time.perf_counter()
             _, lowered = lower_step(cfg)
             compiled = lowered.compile()
@@ -217,7 +221,7 @@ def bench_head_memory(size, batch, seq, heads, losses, log, token_tile=None, chu
         for loss in losses:
             if loss == "fused_vocab" and not vocab_tiled_ok(head):
                 continue
-            cfg = make_config(size, head, loss, chunk, batch, seq, token_tile=token_tile)
+            cfg = make_config(size, head, loss, chunk, batch, seq, token_tile=token_tile or ACCELERATOR_TILE)
             m = cfg.model
             graphdef, state = nnx.split(nnx.eval_shape(lambda: heads_lib.make_head(m)))
             params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state)

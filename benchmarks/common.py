@@ -387,7 +387,6 @@ def paired_rounds(workers: list, rounds: int, log, seconds=lambda name, reply: r
     for r in range(rounds):
         k = r % len(workers)
         for w in workers[k:] + workers[:k]:
-            time.sleep(float(os.environ.get("PEER_GAP", 0)))
             times[w.name].append(w.step())
         log(f"  round {r}: " + ", ".join(f"{n} {seconds(n, t[-1]):.3f}" for n, t in times.items()))
     return times

@@ -42,6 +42,8 @@ OPS = ("forward", "∂x", "∂W")
 
 def gemms(cfg, head: str) -> list[dict]:
     """Every GEMM of one train step: {name, tokens t, in i, out o, op, count, layout per side}."""
+    from onona_jax import loss as loss_lib
+
     m = cfg.model
     n = cfg.train.global_batch * cfg.data.seq_len
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
@@ -52,7 +54,7 @@ def gemms(cfg, head: str) -> list[dict]:
             out.append(dict(name=f"{name} {op}", i=i, o=o, op=op, jax=(n, per_layer * m.n_layers, "io"),
                             torch=(n, per_layer * m.n_layers)))
     tables = 2 if head == "twin" else 1
-    tile = min(m.loss_token_tile, n) if m.loss == "fused" else n
+    tile = min(loss_lib.resolve_token_tile(m.loss_token_tile), n) if m.loss == "fused" else n  # this CPU's tile
     for op, label in zip(OPS, ("logits", "∂h", "∂table")):
         out.append(dict(name=f"head {label}", i=m.d_model, o=m.vocab_size, op=op,
                         jax=(tile, tables * math.ceil(n / tile), "oi"), torch=(n, tables)))

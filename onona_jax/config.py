@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.remat = "none"  # none | dots | attention | attention_experts | attention_offload | full (layers.REMAT_POLICIES)
     m.attention_impl = "auto"  # auto: splash on TPU, cuDNN on GPU (bf16), XLA on CPU | xla | splash | cudnn (attention.py)
     m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
-    m.loss_token_tile = 0  # tokens per tile (per device) of the fused loss; 0: 256 on TPU/GPU, 1,024 on CPU (loss.py says why)
+    m.loss_token_tile = 0  # tokens per tile (per device) of the fused loss; 0: 256 on TPU/GPU, 512 on CPU (loss.py says why)
     m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
     m.mos_components = 2  # K of the mos / moss heads
     m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
@@ -203,8 +203,8 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
     need(m.remat in layers.REMAT_POLICIES, f"model.remat {m.remat!r}: one of {', '.join(layers.REMAT_POLICIES)}")
     need(m.attention_impl != "blocked",
-         "model.attention_impl 'blocked' was retired (no faster than XLA on CPU, docs/PERFORMANCE.md; splash and "
-         "cuDNN on accelerators): use auto")
+         "model.attention_impl 'blocked' was retired (`xla` computes query blocks itself on CPU, and splash and "
+         "cuDNN skip the masked blocks on accelerators): use auto")
     need(m.attention_impl in attention.IMPLS + (None,),
          f"model.attention_impl {m.attention_impl!r}: one of {', '.join(attention.IMPLS)}")
     for problem in attention.check_shape(m.attention_impl, m.head_dim):
@@ -409,7 +409,7 @@ def from_saved(saved: dict, where: str = "") -> ml_collections.ConfigDict:
     if missing:
         print(f"notice: the config saved in {where} predates keys {', '.join(missing)}; "
               "using their defaults", file=sys.stderr)
-    if have.get("model.attention_impl") == "blocked":  # retired: the same attention, computed whole
+    if have.get("model.attention_impl") == "blocked":  # retired: the same attention (xla blocks it on CPU)
         print(f"notice: the config saved in {where} asks for model.attention_impl 'blocked', which was retired; "
               "using 'xla' (the same values to fp32 rounding)", file=sys.stderr)
         have["model.attention_impl"] = "xla"

@@ -34,6 +34,24 @@ def _grads(impl, q, k, v, w):
     return jax.jit(jax.grad(lambda q, k, v: (attention.causal_attention(q, k, v, impl) * w).sum(), (0, 1, 2)))(q, k, v)
 
 
+@pytest.mark.parametrize("T", [64, 200, 256, 1100])
+def test_xla_on_cpu_computes_query_blocks_equal_to_the_whole_square(T):
+    """`xla` on the CPU: blocks of query rows against only the keys they see. Values and
+    gradients equal `jax.nn.dot_product_attention` over the whole T × T matrix to 1e-5 of the
+    largest (fp32 sums in another order), for one block (64), a partial last block (200), four
+    (256) and more than 16 blocks of 64 (1,100: 16 blocks of 69); and no block computes the
+    whole square: the largest score matrix of T = 256 is 64 × 256, the last block's."""
+    q, k, v, w = _qkvw(2, T, 4, 2, 16)
+    whole = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.25, implementation="xla")  # noqa: E731
+    _close(attention.causal_attention(q, k, v, "xla"), whole(q, k, v))
+    ref = jax.grad(lambda q, k, v: (whole(q, k, v) * w).sum(), (0, 1, 2))(q, k, v)
+    for ours, theirs in zip(_grads("xla", q, k, v, w), ref):
+        _close(ours, theirs)
+    if T == 256:
+        hlo = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, "xla")).lower(q, k, v).as_text()
+        assert "256x256xf32" not in hlo and "64x256xf32" in hlo
+
+
 @pytest.mark.parametrize("T,H", [(300, 64), (128, 128)])
 def test_splash_matches_xla_values_and_gradients(T, H):
     """Causal GQA (8 query heads over 2 KV heads). T = 300 pads to 384 in three blocks of 128

@@ -269,18 +269,18 @@ def test_ablation_validation_honours_the_loss_token_tile(tiny_data):
 
 
 def test_token_tile_auto_is_the_platform_of_the_mesh_devices():
-    """model.loss_token_tile = 0 is 1,024 tokens where the step compiles for the CPU (GEMM
+    """model.loss_token_tile = 0 is 512 tokens where the step compiles for the CPU (GEMM
     efficiency of the ∂T product) and 256 for a TPU slice (HBM), decided by the devices of the
     mesh the step is traced under, so a deviceless TPU compile on this CPU gets the TPU's tile;
     a positive value is kept and a negative one is an error naming the fix."""
     from onona_jax.aot.topology import get_slice, libtpu_missing, topology_devices
 
-    assert fm.resolve_token_tile(0) == fm.CPU_TOKEN_TILE == 1024  # outside any mesh: the default backend
+    assert fm.resolve_token_tile(0) == fm.CPU_TOKEN_TILE == 512  # outside any mesh: the default backend
     assert fm.resolve_token_tile(48) == 48
     with pytest.raises(ValueError, match="or 0 for the platform's default"):
         fm.resolve_token_tile(-1)
     with sharding.activation_rules(sharding.make_mesh(1, 1, 1, jax.devices()[:1])):
-        assert fm.resolve_token_tile(0) == 1024
+        assert fm.resolve_token_tile(0) == 512
     if libtpu_missing() is not None:
         pytest.skip(f"libtpu missing: {libtpu_missing()}")
     tpu = sharding.make_mesh(1, 4, 1, topology_devices(get_slice("v5e-4")))
