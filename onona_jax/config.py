@@ -17,7 +17,6 @@ from onona_jax import attention
 from onona_jax import compile_cache
 from onona_jax import heads as heads_lib
 from onona_jax import layers
-from onona_jax import loss as loss_lib
 from onona_jax import models
 from onona_jax.models import gdn
 

@@ -1043,6 +1043,7 @@ BAD_VALUES = [
     ({"model.rope_theta": 0}, "model.rope_theta=0.0 must be positive"),
     ({"model.norm_eps": -1e-6}, "model.norm_eps=-1e-06 must be positive"),
     ({"model.mos_components": 0}, "model.mos_components=0 must be at least 1"),
+    ({"model.loss_token_tile": -1}, "model.loss_token_tile=-1: a positive number of tokens, or 0 for the platform's default"),
     ({"model.arch": "moe", "model.moe.n_experts": 0}, "model.moe.n_experts=0 must be at least 1"),
     ({"model.arch": "moe", "model.moe.top_k": 0}, "model.moe.top_k=0 must be in 1..n_experts (8)"),
     ({"model.arch": "moe", "model.moe.top_k": 9}, "model.moe.top_k=9 must be in 1..n_experts (8)"),
