@@ -78,9 +78,6 @@ PAPER_142M_TWIN_TOKENS_PER_S = 422_000  # 2×H100 (SPEC §6)
 # ----------------------------------------------------------------------------- configs
 
 
-# The memory sections model an accelerator's step, compiled by XLA:CPU: they use the loss token tile
-# TPU and GPU run (model.loss_token_tile = 0 would give this CPU's 512, loss.resolve_token_tile).
-ACCELERATOR_TILE = loss_lib.ACCELERATOR_TOKEN_TILE
 OVERRIDES: dict = {}  # --config.<key>=value overrides, applied to every config (e.g. model.attention_impl)
 
 
@@ -162,7 +159,10 @@ def bench_memory(size, batch, seq, chunks, remats, log, heads=HEADS, losses=LOSS
         specs += [(h, "fused_vocab", c) for c in [dc] + [c for c in chunks if c != dc] for h in heads
                   if "fused_vocab" in losses and vocab_tiled_ok(h)]
         for head, loss, chunk in specs:
-            cfg = make_config(size, head, loss, chunk, batch, seq, remat=remat, token_tile=ACCELERATOR_TILE)
+            # An accelerator's step, compiled by XLA:CPU: the token tile TPU and GPU run
+            # (model.loss_token_tile = 0 would give this CPU's, loss.resolve_token_tile).
+            cfg = make_config(size, head, loss, chunk, batch, seq, remat=remat,
+                              token_tile=loss_lib.ACCELERATOR_TOKEN_TILE)
             t0 = time.perf_counter()
             _, lowered = lower_step(cfg)
             compiled = lowered.compile()
@@ -221,7 +221,8 @@ def bench_head_memory(size, batch, seq, heads, losses, log, token_tile=None, chu
         for loss in losses:
             if loss == "fused_vocab" and not vocab_tiled_ok(head):
                 continue
-            cfg = make_config(size, head, loss, chunk, batch, seq, token_tile=token_tile or ACCELERATOR_TILE)
+            cfg = make_config(size, head, loss, chunk, batch, seq,  # the accelerator's tile, as bench_memory
+                              token_tile=token_tile or loss_lib.ACCELERATOR_TOKEN_TILE)
             m = cfg.model
             graphdef, state = nnx.split(nnx.eval_shape(lambda: heads_lib.make_head(m)))
             params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state)

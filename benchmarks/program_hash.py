@@ -43,8 +43,9 @@ def _main(fv, rest):
     from onona_jax.aot.topology import compiler_missing, get_slice, topology_devices
 
     s = get_slice(fv.slice)
-    if compiler_missing(s):
-        raise cli.Failure(compiler_missing(s))
+    missing = compiler_missing(s)
+    if missing:
+        raise cli.Failure(missing)
     devices = topology_devices(s)
     for name in fv.configs:
         cfg = config_lib.load(os.path.join(fv.root, f"configs/paper.py:{name}"))
