@@ -1,5 +1,5 @@
-"""The two parts of the d 512 step where onona-jax trailed PyTorch on a Zen 1 host, alone,
-forward and backward, against PyTorch's own at the same shapes (issue 30):
+"""The parts of the d 512 step where onona-jax trailed PyTorch on a Zen 1 host, alone, forward
+and backward, against PyTorch's own at the same shapes (issue 30):
 
     flock /tmp/onona-heavy.lock python benchmarks/parts.py [--tokens=1024] [--d_model=512] \
         [--vocab=50304] [--tiles=256,512,1024] [--batch=4] [--seq=256] [--heads=8] [--kv_heads=4] \
@@ -14,17 +14,26 @@ forward and backward, against PyTorch's own at the same shapes (issue 30):
   [B, T, K, hd]). Ours: `jax.nn.dot_product_attention` over the whole T × T matrix, and
   `attention.causal_attention(impl="xla")` as it runs on the CPU (blocks of query rows); its:
   `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` (its flash kernel on CPU).
+* **optimizer**: one clipped AdamW update of a [`--vocab`, `--d_model`] table, as the step makes
+  it. Ours: `optimizer.clip_by_global_norm` + `optax.adamw` + `apply_updates` (jitted, weights and
+  state donated), and the same with optax's clip; PyTorch's: `clip_grad_norm_` + the fused C++
+  AdamW (`fused=True`, one pass over weight, gradient and moments). Printed with each of ours: the
+  passes XLA makes over the table (fusions with its shape in the compiled update) and the
+  bandwidth they imply. Checked: our weights and both moments after one update against the
+  same update in float64, to 1e-4 (PyTorch's is printed: its norm of a table this size is
+  off by 1e-3).
 
 One process, 2 threads each (the cores this process may use), each variant compiled and run
 once before `--reps` timed calls; a figure is the median. Values are checked, not only timed:
-every variant's gradients (and the ∂table product) against PyTorch's to 1e-4 of the largest
-(`cli.Failure`, exit 1, otherwise).
+every variant's gradients (and the ∂table product) against PyTorch's to 1e-4 of the largest,
+the optimizer's against float64 (`cli.Failure`, exit 1, otherwise).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -61,11 +70,11 @@ def _median_s(fn, reps):
 def _check(name, ours, ref):
     import numpy as np
 
-    for a, b in zip(ours, ref):
+    for i, (a, b) in enumerate(zip(ours, ref)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
         if err > 1e-4:
-            raise cli.Failure(f"{name}: differs from the reference by {err:.2e} (relative to its largest value)")
+            raise cli.Failure(f"{name}: output {i} differs from the reference by {err:.2e} (relative to its largest value)")
 
 
 def head(fv, log):
@@ -149,6 +158,90 @@ def attention_part(fv, log):
         log(f"  {name:<44} {s * 1e3:8.1f} ms")
 
 
+def optimizer_part(fv, log):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import torch
+
+    from onona_jax.train import optimizer
+
+    V, d = fv.vocab, fv.d_model
+    lr, b1, b2, eps, wd, clip = 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0
+    rng = np.random.default_rng(0)
+    # a gradient of norm ≈ 5, so the clip to 1 (the step's max norm) acts
+    w0 = rng.standard_normal((V, d), np.float32) * 0.02
+    g = rng.standard_normal((V, d), np.float32) * (5 / math.sqrt(V * d))
+
+    tw = torch.nn.Parameter(torch.tensor(w0))
+    tw.grad = torch.tensor(g)
+    opt = torch.optim.AdamW([tw], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, fused=True)
+
+    def torch_step():  # clip_grad_norm_ scales the gradient in place every call, clipping or not
+        torch.nn.utils.clip_grad_norm_([tw], clip)
+        opt.step()
+
+    # The reference: one update in float64. (PyTorch's own is not one: its norm of these 25.8M
+    # fp32 entries is 1.4e-3 off, which moves its μ by as much; XLA's reduction is within 1e-8.)
+    g64 = g.astype(np.float64) * min(1.0, clip / math.sqrt((g.astype(np.float64) ** 2).sum()))
+    mu, nu = (1 - b1) * g64, (1 - b2) * g64**2
+    ref = [w0 - lr * (mu / (1 - b1) / (np.sqrt(nu / (1 - b2)) + eps) + wd * w0), mu, nu]
+    torch_step()
+    state = opt.state[tw]
+    theirs = [t.detach().numpy() for t in (tw, state["exp_avg"], state["exp_avg_sq"])]
+    off = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(theirs, ref))
+    rows = {"torch: clip_grad_norm_ + AdamW(fused=True)": (_median_s(torch_step, fv.reps), None)}
+    gj = jnp.asarray(g)
+    for name, clip_tx in (("ours: clip_by_global_norm + optax.adamw", optimizer.clip_by_global_norm(clip)),
+                          ("ours with optax.clip_by_global_norm", optax.clip_by_global_norm(clip))):
+        tx = optax.chain(clip_tx, optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd))
+
+        def update(w, s, g, tx=tx):
+            u, s = tx.update(g, s, w)
+            return optax.apply_updates(w, u), s
+
+        step = jax.jit(update, donate_argnums=(0, 1))
+        box = [jnp.asarray(w0), tx.init(jnp.asarray(w0))]
+        passes, moved = _table_traffic(step.lower(*box, gj).compile().as_text(), f"f32[{V},{d}]")
+        box[:] = step(*box, gj)
+        adam = box[1][1][0]
+        _check(name, [box[0], adam.mu, adam.nu], ref)
+
+        def run(step=step, box=box):
+            box[:] = step(*box, gj)
+            jax.block_until_ready(box[0])
+
+        rows[name] = (_median_s(run, fv.reps), (passes, moved))
+    table = V * d * 4
+    log(f"optimizer: one clipped AdamW update of a [{V:,}, {d}] fp32 table ({table / 1e6:.0f} MB), median of "
+        f"{fv.reps}; one pass at least reads weight, gradient, μ, ν and writes weight, μ, ν: 7 tables")
+    for name, (s, traffic) in rows.items():
+        what = f"   (off the float64 update by {off:.1e} of its largest)"
+        if traffic:
+            passes, moved = traffic
+            what = (f"   {passes} fusions write a table; they and the norm move {moved} tables "
+                    f"({moved * table / 1e9 / s:.1f} GB/s)")
+        log(f"  {name:<44} {s * 1e3:8.1f} ms{what}")
+
+
+def _table_traffic(hlo: str, shape: str) -> tuple[int, int]:
+    """(fusions that write a `shape` array, `shape` arrays read or written by all fusions) in the
+    entry computation of an optimized HLO: the passes over a table and the traffic they imply."""
+    entry = hlo.split("ENTRY")[1].splitlines()
+    shape_of = r"(\w+\[[\d,]*\])\S*"  # f32[50304,512]{1,0} -> f32[50304,512]; f32[] too
+    shapes = {m.group(1): m.group(2) for m in (re.match(rf"\s*(?:ROOT )?(%\S+) = {shape_of} ", ln) for ln in entry) if m}
+    writes = moved = 0
+    for ln in entry:
+        m = re.match(rf"\s*(?:ROOT )?%\S+ = {shape_of} fusion\((.*?)\), kind", ln)
+        if m:
+            ops = re.sub(r"/\*.*?\*/", "", m.group(2)).split(",")  # drop XLA's /*index=5*/ marks
+            reads = sum(shapes.get(op.strip()) == shape for op in ops)
+            writes += m.group(1) == shape
+            moved += reads + (m.group(1) == shape)
+    return writes, moved
+
+
 def _main(fv, rest):
     if rest:
         raise cli.UsageError(f"unexpected arguments {rest}")
@@ -159,6 +252,7 @@ def _main(fv, rest):
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     head(fv, print)
     attention_part(fv, print)
+    optimizer_part(fv, print)
 
 
 def main(argv=None) -> int:

@@ -77,11 +77,15 @@ def test_code_ab_needs_a_checkout_as_base(capsys, tmp_path):
 def test_parts_checks_values_against_pytorch_and_refuses_bad_tiles(capsys):
     """benchmarks/parts.py at tiny shapes: every variant's loss gradients (head, at two tiles)
     and attention gradients (whole square and query blocks, T 200 in 4 blocks) agree with
-    PyTorch's to 1e-4 before any timing counts (a mismatch exits 1); a tile < 1 is one error line."""
+    PyTorch's to 1e-4, and the clipped AdamW update with float64's, before any timing counts (a
+    mismatch exits 1); a tile < 1 is one error line."""
     import parts
 
     assert parts.main(["--tokens=96", "--d_model=16", "--vocab=300", "--tiles=32,96", "--batch=1", "--seq=200",
                        "--heads=4", "--kv_heads=2", "--head_dim=8", "--reps=1"]) == 0
     out = capsys.readouterr().out
     assert "ours: head_nll, token tile 32" in out and "ours: causal_attention (xla, query blocks)" in out
+    # the optimizer's update matched float64, and XLA makes 3 passes over the table (4 with optax's clip)
+    assert "ours: clip_by_global_norm + optax.adamw" in out and "3 fusions write a table" in out
+    assert "4 fusions write a table" in out
     assert _error(capsys, parts, "--tiles=0") == "error: --reps and every --tiles entry must be ≥ 1"

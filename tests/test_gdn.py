@@ -224,11 +224,18 @@ def test_layer_matches_hf_qwen3_next(monkeypatch):
     import transformers
     import transformers.models.qwen3_next.modeling_qwen3_next as hf
 
+    def reference(f):
+        """The pure-torch function behind HF's kernel wrappers. With transformers ≥ 5.25 and its
+        `kernels` dependency each is a torch Module (`Func`) whose forward closes over it."""
+        if isinstance(f, torch.nn.Module):
+            f = inspect.getclosurevars(type(f).forward).nonlocals["func"]
+        return inspect.unwrap(f)
+
     # Force the reference PyTorch kernels (never fla / causal-conv1d / hub kernels), and check
     # that the chunked one is what runs.
     calls = []
-    chunk_ref = inspect.unwrap(hf.torch_chunk_gated_delta_rule)
-    conv_ref = inspect.unwrap(hf.causal_conv1d_fn)
+    chunk_ref = reference(hf.torch_chunk_gated_delta_rule)
+    conv_ref = reference(hf.causal_conv1d_fn)
     assert "F.conv1d" in inspect.getsource(conv_ref) and "solve_triangular" in inspect.getsource(chunk_ref)
 
     def chunk_spy(*a, **kw):

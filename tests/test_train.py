@@ -26,6 +26,35 @@ def test_wsd_schedule_values():
     assert float(s(21_739)) == pytest.approx(1e-4)  # last step: the final rate
 
 
+def test_clip_by_global_norm_is_optax_in_one_pass():
+    """Our clip equals optax.clip_by_global_norm (exactly when it does not clip, to 2 ulp when it
+    does: a multiply by max/‖g‖ against optax's g/‖g‖·max), has optax's state, and its AdamW
+    update touches a [V, d] leaf in three passes (μ, ν, the weight) where optax's makes a fourth
+    for the quotient."""
+    import optax
+
+    rng = np.random.default_rng(0)
+    params = {"table": jnp.asarray(rng.standard_normal((512, 64)), jnp.float32), "norm": jnp.ones(64)}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)  # ‖g‖ ≈ 181
+    for max_norm in (1.0, 1e4):  # clips; does not
+        ours, theirs = optim.clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+        assert jax.tree.structure(ours.init(params)) == jax.tree.structure(theirs.init(params))
+        a, b = ours.update(grads, ours.init(params))[0], theirs.update(grads, theirs.init(params))[0]
+        for k in params:
+            if max_norm > 1e3:
+                np.testing.assert_array_equal(a[k], grads[k])
+            np.testing.assert_allclose(a[k], b[k], rtol=2.4e-7, atol=0)
+        assert abs(float(optax.global_norm(a)) - min(max_norm, float(optax.global_norm(grads)))) < 1e-4 * max_norm
+
+    def table_passes(clip):
+        tx = optax.chain(clip, optax.adamw(1e-3, weight_decay=0.1))
+        step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+        hlo = step.lower(params, tx.init(params), grads).compile().as_text().split("ENTRY")[1]
+        return len([ln for ln in hlo.splitlines() if " = f32[512,64]" in ln and "parameter(" not in ln])
+
+    assert table_passes(optim.clip_by_global_norm(1.0)) == 3 < table_passes(optax.clip_by_global_norm(1.0))
+
+
 @pytest.mark.parametrize("size,steps", [("142m", 21_740), ("330m", 50_349)])
 def test_token_budget_steps(size, steps):
     for head in ("standard", "twin"):  # the twin arm gets the Dense Standard budget too
