@@ -217,29 +217,32 @@ def optimizer_part(fv, log):
     log(f"optimizer: one clipped AdamW update of a [{V:,}, {d}] fp32 table ({table / 1e6:.0f} MB), median of "
         f"{fv.reps}; one pass at least reads weight, gradient, μ, ν and writes weight, μ, ν: 7 tables")
     for name, (s, traffic) in rows.items():
-        what = f"   (off the float64 update by {off:.1e} of its largest)"
-        if traffic:
+        if traffic is None:  # PyTorch's
+            what = f"(off the float64 update by {off:.1e} of its largest)"
+        else:
             passes, moved = traffic
-            what = (f"   {passes} fusions write a table; they and the norm move {moved} tables "
+            what = (f"{passes} fusions write a table; they and the norm move {moved} tables "
                     f"({moved * table / 1e9 / s:.1f} GB/s)")
-        log(f"  {name:<44} {s * 1e3:8.1f} ms{what}")
+        log(f"  {name:<44} {s * 1e3:8.1f} ms   {what}")
 
 
 def _table_traffic(hlo: str, shape: str) -> tuple[int, int]:
-    """(fusions that write a `shape` array, `shape` arrays read or written by all fusions) in the
-    entry computation of an optimized HLO: the passes over a table and the traffic they imply."""
+    """(passes, tables moved) of an optimized HLO over a `shape` array: the instructions that write
+    one (`aot.hlo.materialised_arrays`), and those writes plus every read of one by a fusion of
+    the entry computation."""
+    from onona_jax.aot.hlo import materialised_arrays
+
+    writes = sum(s == shape for s, _ in materialised_arrays(hlo))
     entry = hlo.split("ENTRY")[1].splitlines()
     shape_of = r"(\w+\[[\d,]*\])\S*"  # f32[50304,512]{1,0} -> f32[50304,512]; f32[] too
     shapes = {m.group(1): m.group(2) for m in (re.match(rf"\s*(?:ROOT )?(%\S+) = {shape_of} ", ln) for ln in entry) if m}
-    writes = moved = 0
+    reads = 0
     for ln in entry:
         m = re.match(rf"\s*(?:ROOT )?%\S+ = {shape_of} fusion\((.*?)\), kind", ln)
         if m:
             ops = re.sub(r"/\*.*?\*/", "", m.group(2)).split(",")  # drop XLA's /*index=5*/ marks
-            reads = sum(shapes.get(op.strip()) == shape for op in ops)
-            writes += m.group(1) == shape
-            moved += reads + (m.group(1) == shape)
-    return writes, moved
+            reads += sum(shapes.get(op.strip()) == shape for op in ops)
+    return writes, writes + reads
 
 
 def _main(fv, rest):
