@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -197,19 +198,39 @@ def _closed_loop_callback(err, tb) -> bool:
     return False
 
 
+def _failed_read(err: BaseException | None) -> bool:
+    """True for the error of one array read of a damaged checkpoint: Orbax's wrapper, or
+    TensorStore's own status ('OUT_OF_RANGE: Error opening "zarr" driver: Error reading ...')."""
+    text = str(err)
+    return ("Encountered error while reading array" in text or "Event loop is closed" in text
+            or bool(re.match(r'[A-Z_]+: Error (opening|reading) "', text)))
+
+
+class _NoFailedReadTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for a failed read's tasks: Orbax
+    gathers one task per array, the first failure ends the read, and a sibling that failed
+    too is reported whenever the collector finalizes it (at exit, after the one error line)."""
+
+    def filter(self, record):
+        err = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage().startswith("Task exception was never retrieved") and _failed_read(err))
+
+
 def _drop_orbax_leftovers():
-    """From now on, drop the "Exception ignored in <coroutine ...>" reports of a failed Orbax
-    read's coroutines finalized late (each dumps a TensorStore spec); every other unraisable
-    exception is reported as before."""
+    """From now on, drop the reports of a failed Orbax read's coroutines and tasks finalized
+    late: "Exception ignored in <coroutine ...>" (each dumps a TensorStore spec) and asyncio's
+    never-retrieved task exceptions. Every other unraisable exception and asyncio record is
+    reported as before."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _NoFailedReadTasks) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_NoFailedReadTasks())
     previous = sys.unraisablehook
     if getattr(previous, "onona_filter", False):
         return
 
     def hook(unraisable):
         where = f"{getattr(unraisable.object, '__qualname__', '')} {unraisable.object!r}"
-        text = str(unraisable.exc_value)
-        if ("Encountered error while reading array" in text or "Event loop is closed" in text
-                or ("orbax" in where or "_read_array" in where)):
+        if _failed_read(unraisable.exc_value) or "orbax" in where or "_read_array" in where:
             return
         previous(unraisable)
 

@@ -988,6 +988,49 @@ def test_a_failed_saves_unretrieved_tasks_print_nothing(monkeypatch):
         logging.getLogger().removeHandler(handler)
 
 
+def test_a_failed_reads_unretrieved_tasks_print_nothing(monkeypatch):
+    """A damaged checkpoint's read fails in one of Orbax's per-array tasks; a sibling task that
+    failed too is reported when collected, maybe at exit, after the one error line (how
+    `eval.py --step=N` of a damaged step printed a traceback in CI's fault battery, 2026-12-04).
+    After a failed read those reports go; any other task's still prints."""
+    import asyncio
+    import gc
+    import io
+    import logging
+
+    from onona_jax.checkpoint import quiet
+
+    sink = io.StringIO()
+    handler = logging.StreamHandler(sink)
+    logging.getLogger().addHandler(handler)
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])  # undone after the test
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+
+    def abandon(error: str):  # run a failing task to its end, never retrieve its exception
+        async def read():
+            raise ValueError(error)
+
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(read())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert task.done()
+        loop.close()
+        del task
+        gc.collect()
+
+    damaged = 'OUT_OF_RANGE: Error opening "zarr" driver: Error reading "params.q/.zarray" in OCDBT database'
+    try:
+        with pytest.raises(ValueError):
+            with quiet():
+                raise ValueError(damaged)
+        abandon(damaged)  # collected after the failed read was reported
+        assert sink.getvalue() == ""
+        abandon("OUT_OF_RANGE: a bug of ours")
+        assert "a bug of ours" in sink.getvalue() and "Task exception was never retrieved" in sink.getvalue()
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
 def test_eval_output_checked_before_the_work(run_dir, tmp_path, read_only, capfd):
     ro = tmp_path / "ro"
     ro.mkdir()
