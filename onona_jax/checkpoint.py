@@ -199,8 +199,9 @@ def _closed_loop_callback(err, tb) -> bool:
 
 
 def _failed_read(err: BaseException | None) -> bool:
-    """True for the error of one array read of a damaged checkpoint: Orbax's wrapper, or
-    TensorStore's own status ('OUT_OF_RANGE: Error opening "zarr" driver: Error reading ...')."""
+    """True for the error of one array read of a damaged checkpoint (Orbax's wrapper, or
+    TensorStore's own status: 'OUT_OF_RANGE: Error opening "zarr" driver: Error reading ...'),
+    or for a read's completion callback into its closed event loop."""
     text = str(err)
     return ("Encountered error while reading array" in text or "Event loop is closed" in text
             or bool(re.match(r'[A-Z_]+: Error (opening|reading) "', text)))

@@ -89,6 +89,7 @@ def _tiny_kernel_config(**model):
     return cfg
 
 
+@pytest.mark.slow  # suite-time margin: two TPU compiles (cover: test_tiny_compile_on_v5e_4_*; the kernel: test_attention's splash tests)
 @needs_libtpu
 def test_v5e_compile_runs_splash_and_keeps_no_score_matrix():
     """`auto` on a TPU slice is splash: its forward and both backward kernels appear in the
@@ -374,6 +375,7 @@ def test_collective_bytes_split_within_and_across_slices():
     assert set(links["cross_slice"].values()) == {0}
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_mesh's two-slice mesh, test_collective_bytes_split_within_and_across_slices)
 @needs_libtpu
 def test_two_slice_compile_keeps_parameter_gathers_within_a_slice():
     """2 × v5e-4, FSDP over each slice (mesh.slices=2, data=1, fsdp=-1): the data axis spans the
@@ -442,6 +444,7 @@ def test_config_that_does_not_fit_exits_1_with_needed_available_and_overrides():
     assert "NO" in r.stdout.split("twin       train")[1].splitlines()[0]
 
 
+@pytest.mark.slow  # suite-time margin (cover: the report of test_config_that_does_not_fit_*)
 @needs_libtpu
 def test_report_records_the_vocabulary_and_the_ratio_row(tmp_path):
     """Any tokenizer's vocabulary (here a planning tokenizer of 1,000 entries: 1,024 rows) is in

@@ -34,7 +34,7 @@ def _grads(impl, q, k, v, w):
     return jax.jit(jax.grad(lambda q, k, v: (attention.causal_attention(q, k, v, impl) * w).sum(), (0, 1, 2)))(q, k, v)
 
 
-@pytest.mark.parametrize("T", [64, 200, 256, 1100])
+@pytest.mark.parametrize("T", [64, 200, 256, pytest.param(1100, marks=pytest.mark.slow)])  # 1100: suite-time margin
 def test_xla_on_cpu_computes_query_blocks_equal_to_the_whole_square(T):
     """`xla` on the CPU: blocks of query rows against only the keys they see. Values and
     gradients equal `jax.nn.dot_product_attention` over the whole T × T matrix to 1e-5 of the
@@ -95,6 +95,7 @@ def test_auto_picks_the_kernel_of_the_mesh_devices():
         trainer.setup(cfg, jax.devices()[:1])
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_splash_matches_xla_values_and_gradients, test_splash_sharded_on_eight_devices_matches_xla)
 def test_a_tiny_run_with_splash_trains_as_xla(tiny_data):
     """Three train steps of the tiny twin model (4 heads over 2 KV heads of 64 dims, 32 tokens
     padded to one block of 128) on a 2 × 2 × 2 mesh: the losses of splash (interpret) equal
@@ -135,6 +136,7 @@ def test_remat_attention_keeps_qkv_and_attention_output_not_the_mlp():
     assert (2, 12, 96) in _saved_shapes("none")
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_remat_attention_keeps_qkv_and_attention_output_not_the_mlp)
 def test_remat_policies_train_as_none(tiny_data):
     """Every remat policy computes the same step (recomputation repeats the same fp32 ops):
     three steps' losses equal `none`'s to 1e-6 relative."""

@@ -301,7 +301,8 @@ def test_scanned_equals_unscanned(block_size, remat):
     np.testing.assert_allclose(ours, _log_probs(unscanned, _unstack(p_scan, 4), tokens), rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("block_size,remat", [(1, "none"), (2, "attention"), (3, "full")])
+@pytest.mark.parametrize("block_size,remat", [  # blocks of 1 and 3 are slow: suite-time margin
+    pytest.param(1, "none", marks=pytest.mark.slow), (2, "attention"), pytest.param(3, "full", marks=pytest.mark.slow)])
 def test_scanned_gradients_equal_unscanned(block_size, remat):
     """The scanned backward is our own (`_scanned_trained`: rebuilt input buffers, the
     sublayers' residuals as the remat policy keeps them); the unscanned one is JAX's. Block

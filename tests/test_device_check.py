@@ -20,6 +20,7 @@ def _run(out_dir, *extra):
                           capture_output=True, text=True, env=env, timeout=3600)
 
 
+@pytest.mark.slow  # suite-time margin: the script runs one step of each arm on CPU
 def test_device_check_dry_run(tmp_path):
     p = _run(tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -302,6 +302,7 @@ def test_training_fused_equals_plain_one_device(tiny_data):
     np.testing.assert_allclose(fused_[14:], plain[14:], rtol=1e-4)  # AdamW-amplified rounding
 
 
+@pytest.mark.slow  # suite-time margin (cover: the fused-equals-plain loss and gradient tests above)
 def test_training_fused_equals_plain_on_mesh(tiny_data):
     """3 steps on mesh (data, fsdp, tensor) = (1, 2, 4): the vocabulary on 4 devices. The
     train step itself, called with no context, runs the fused loss as a shard_map."""

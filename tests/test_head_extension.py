@@ -239,6 +239,7 @@ def test_upcycle_fills_every_table_and_refuses_one_left_out(tiny_data):
 # ----------------------------------------------------------------------------- serving
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_serving's twin_server tests)
 def test_folded_server_scores_and_generates_as_the_model(triplet_run):
     """Server.from_workdir folds the head (`TripletHead.fold`): its log-probabilities are the
     unfolded model's (1e-5), its gate lookup [V, 3] the head's gate of every token (1e-6),
@@ -329,6 +330,7 @@ def test_component_logits_projects_each_row_once_but_at_slab_edges(n, max_branch
 # ----------------------------------------------------------------------------- HF export
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_hf_export's twin and standard exports)
 def test_triplet_exports_to_transformers(tiny_data, tmp_path):
     """hf_format.export writes the fold the head declares: config.json names the three
     output tables and the gate lookup; AutoModelForCausalLM (trust_remote_code, the copied

@@ -177,6 +177,7 @@ def test_first_interval_excludes_compile_and_logs_data_wait_apart(tiny_data, tmp
         assert ("compile_cache_hits" in r) == (r["step"] == 1)  # (the session's cache: conftest)
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_profile_traces_the_train_step; buckets: test_cloud_checkpoint)
 def test_profile_of_a_bucket_workdir_is_uploaded(tiny_data, fake_gcs):
     """A bucket workdir's trace is written locally and uploaded under <workdir>/profile/."""
     from onona_jax import paths

@@ -121,6 +121,7 @@ def _runs(mode):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.slow  # suite-time margin: a benchmark option (peer.py --keep_freed_memory)
 def test_kept_memory_stops_per_run_page_faults():
     # common.keep_freed_memory, which peer.py's workers call with --keep_freed_memory: XLA:CPU's
     # per-run temporaries stop being mapped afresh (and faulted in page by page) at every run. With it a run

@@ -209,6 +209,7 @@ def test_sigterm_then_rerun_is_bit_exact(cli, reference, tiny_data, tmp_path):
         assert data_state(workdir, s) == expected_data_state(tiny_data, s)
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_sigterm_then_rerun_is_bit_exact; kill -9 cycles: test_faults)
 def test_sigkill_after_checkpoint_then_rerun_is_bit_exact(cli, reference, tiny_data, tmp_path):
     workdir, log = tmp_path / "run", tmp_path / "log1.txt"
     p = cli.start(workdir, log)
@@ -245,6 +246,7 @@ def test_sigkill_after_checkpoint_then_rerun_is_bit_exact(cli, reference, tiny_d
         assert data_state(workdir, s) == expected_data_state(tiny_data, s)
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_sigterm_then_rerun_is_bit_exact, test_bucket_data_streamed_trains_bit_for_bit_as_local_data, test_cloud_checkpoint)
 def test_bucket_workdir_and_data_sigterm_resume_eval(cli, reference, tiny_data, fake_gcs, tmp_path):
     """The whole cycle with the workdir and the data dir in a bucket (gs://, the local GCS
     emulator of tests/fake_gcs.py): prepare uploads the data, train.py copies it into its cache,

@@ -200,6 +200,7 @@ def config_for(data_dir, tok_dir=None, head="twin"):
     return config_lib.validate(cfg)
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_prepare_past_65536_entries_writes_uint32_read_alike_by_every_reader)
 def test_tiny_twin_trains_on_uint32_data(data_70k, bpe_70k):
     """A tiny twin with data.tokenizer = the 70k tokenizer: a table of 70,016 rows (70,000 rounded
     up to 128), the run's data opened (and accepted) as training opens it, and 3 steps on uint32

@@ -64,9 +64,12 @@ def test_token_budget_steps(size, steps):
         assert optim.total_steps(cfg, trainer.dense_standard_params(cfg)) == steps
 
 
-def test_equal_losses_across_meshes(tiny_data):
+# Pure FSDP and 2 × 2 × 2 are slow: suite-time margin (cover for 2 × 2 × 2: test_families).
+@pytest.mark.parametrize("meshes", [[(1, 2, 4)], pytest.param([(1, 8, 1), (2, 2, 2)], marks=pytest.mark.slow)],
+                         ids=["124", "181-222"])
+def test_equal_losses_across_meshes(tiny_data, meshes):
     results = {}
-    for mesh in [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]:
+    for mesh in [(8, 1, 1)] + meshes:
         cfg = tiny_config(tiny_data)
         cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
         losses, state, run = run_steps(cfg)
