@@ -946,89 +946,76 @@ def test_tensorboard_events_as_tensorboardX_writes_them(tmp_path):
     assert tensorboard_scalars(ours) == tensorboard_scalars(reference) != []
 
 
-def test_a_failed_saves_unretrieved_tasks_print_nothing(monkeypatch):
-    """A failed save's Orbax coroutines end as tasks nobody awaits; asyncio reports each when
-    it is collected, to a handler made before the run's scope (the real stderr), maybe after
-    the scope ended: how one reached CI. Those reports go; any other task's still prints."""
-    import asyncio
-    import gc
+@pytest.fixture
+def task_reports(monkeypatch):
+    """What the root logger prints (asyncio's reports of abandoned tasks among it); the asyncio
+    logger's filters and sys.unraisablehook, which a test's scopes may add to, restored after."""
     import io
     import logging
-
-    from onona_jax.checkpoint import without_orbax_tracebacks
 
     sink = io.StringIO()
     handler = logging.StreamHandler(sink)
     logging.getLogger().addHandler(handler)
-    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])  # undone after the test
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    yield sink
+    logging.getLogger().removeHandler(handler)
+
+
+def _abandon(coroutine):
+    """Run a failing task to its end and never retrieve its exception, then collect it."""
+    import asyncio
+    import gc
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(coroutine())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert task.done()
+    loop.close()
+    del task
+    gc.collect()
+
+
+async def _a_bug_of_ours():
+    raise ValueError("OUT_OF_RANGE: a bug of ours")
+
+
+def test_a_failed_saves_unretrieved_tasks_print_nothing(task_reports):
+    """A failed save's Orbax coroutines end as tasks nobody awaits; asyncio reports each when
+    it is collected, to a handler made before the run's scope (the real stderr), maybe after
+    the scope ended: how one reached CI. Those reports go; any other task's still prints."""
+    from onona_jax.checkpoint import without_orbax_tracebacks
+
     namespace = {}
     exec(compile("async def async_serialize_from_host():\n    raise ValueError('RESOURCE_EXHAUSTED')\n",
                  "/site-packages/orbax/checkpoint/serialization.py", "exec"), namespace)
-
-    async def ours():
-        raise ValueError("a bug of ours")
-
-    def abandon(coroutine):  # run a failing task to its end, never retrieve its exception
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(coroutine())
-        loop.run_until_complete(asyncio.sleep(0.01))
-        assert task.done()
-        loop.close()
-        del task
-        gc.collect()
-
-    try:
-        with without_orbax_tracebacks():
-            abandon(namespace["async_serialize_from_host"])
-        abandon(namespace["async_serialize_from_host"])  # collected after the scope
-        assert sink.getvalue() == ""
-        abandon(ours)
-        assert "a bug of ours" in sink.getvalue() and "Task exception was never retrieved" in sink.getvalue()
-    finally:
-        logging.getLogger().removeHandler(handler)
+    with without_orbax_tracebacks():
+        _abandon(namespace["async_serialize_from_host"])
+    _abandon(namespace["async_serialize_from_host"])  # collected after the scope
+    assert task_reports.getvalue() == ""
+    _abandon(_a_bug_of_ours)
+    assert "a bug of ours" in task_reports.getvalue() and "Task exception was never retrieved" in task_reports.getvalue()
 
 
-def test_a_failed_reads_unretrieved_tasks_print_nothing(monkeypatch):
+def test_a_failed_reads_unretrieved_tasks_print_nothing(task_reports):
     """A damaged checkpoint's read fails in one of Orbax's per-array tasks; a sibling task that
     failed too is reported when collected, maybe at exit, after the one error line (how
     `eval.py --step=N` of a damaged step printed a traceback in CI's fault battery, 2026-12-04).
     After a failed read those reports go; any other task's still prints."""
-    import asyncio
-    import gc
-    import io
-    import logging
-
     from onona_jax.checkpoint import quiet
 
-    sink = io.StringIO()
-    handler = logging.StreamHandler(sink)
-    logging.getLogger().addHandler(handler)
-    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])  # undone after the test
-    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
-
-    def abandon(error: str):  # run a failing task to its end, never retrieve its exception
-        async def read():
-            raise ValueError(error)
-
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(read())
-        loop.run_until_complete(asyncio.sleep(0.01))
-        assert task.done()
-        loop.close()
-        del task
-        gc.collect()
-
     damaged = 'OUT_OF_RANGE: Error opening "zarr" driver: Error reading "params.q/.zarray" in OCDBT database'
-    try:
-        with pytest.raises(ValueError):
-            with quiet():
-                raise ValueError(damaged)
-        abandon(damaged)  # collected after the failed read was reported
-        assert sink.getvalue() == ""
-        abandon("OUT_OF_RANGE: a bug of ours")
-        assert "a bug of ours" in sink.getvalue() and "Task exception was never retrieved" in sink.getvalue()
-    finally:
-        logging.getLogger().removeHandler(handler)
+
+    async def read():
+        raise ValueError(damaged)
+
+    with pytest.raises(ValueError):
+        with quiet():
+            raise ValueError(damaged)
+    _abandon(read)  # collected after the failed read was reported
+    assert task_reports.getvalue() == ""
+    _abandon(_a_bug_of_ours)
+    assert "a bug of ours" in task_reports.getvalue() and "Task exception was never retrieved" in task_reports.getvalue()
 
 
 def test_eval_output_checked_before_the_work(run_dir, tmp_path, read_only, capfd):
