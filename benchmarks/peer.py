@@ -82,10 +82,11 @@ def variant(kind: str, head: str) -> str:
 
 def schedule_values(cfg, n: int) -> list[float]:
     """The learning rate of steps 0..n-1, as our step computes it (optimizer.wsd)."""
-    from onona_jax.train import optimizer, state as state_lib
+    from onona_jax import summary
+    from onona_jax.train import optimizer
 
     t = cfg.train
-    total = optimizer.total_steps(cfg, state_lib.dense_standard_params(cfg))
+    total = summary.budget(cfg)["steps"]
     sched = optimizer.wsd(t.lr, t.final_lr, t.warmup_steps, total, t.decay_fraction)
     import jax.numpy as jnp
 

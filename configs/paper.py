@@ -10,6 +10,8 @@ Dense Standard 3.21B and 7.50B parameters at Llama-3's vocabulary
 (`--config.data.tokenizer=size:128256`), 2.97B and 7.19B at GPT-2's (README "Models and configs").
 """
 
+import math
+
 from onona_jax.config import ARCHS, HEADS, base_config, ffn_width, validate
 
 # d_ff 0: config.ffn_width(d_model), 8d/3 rounded up to 64 (SPEC §3).
@@ -42,11 +44,35 @@ TRAIN = {
 LR = {"3b": (3e-4, 3e-5), "8b": (3e-4, 3e-5)}
 
 
+def long_context(c, seq_len: str | int):
+    """`<spec>@<seq_len>` (e.g. dense-142m-twin@4096), or `@<n>x` (n × the size's context: @4x is
+    4,096 at the paper's sizes, 512 at small): windows of seq_len tokens with the size's
+    batch in tokens kept — global batch, micro batch and validation windows divided by the ratio, so
+    steps, tokens and evaluated tokens stay the paper's. RoPE keeps model.rope_theta (10,000; a
+    config key: --config.model.rope_theta=500000 for a larger base)."""
+    base = c.data.seq_len
+    try:
+        seq = base * int(seq_len[:-1]) if str(seq_len).endswith("x") else int(seq_len)
+    except ValueError:
+        raise ValueError(f"context @{seq_len}: a number of tokens or a multiple of the size's, e.g. @4096 or @4x") from None
+    t = c.train
+    scaled = {"global_batch": t.global_batch * base, "micro_batch": t.micro_batch * base,
+              "windows": c.eval.windows * base}
+    if seq <= 0 or any(v % seq for v in scaled.values()):
+        raise ValueError(f"context @{seq}: the batch of {t.global_batch} × {base} tokens (micro batch {t.micro_batch}, "
+                         f"{c.eval.windows} validation windows) does not divide into whole windows of {seq} tokens; "
+                         f"choose a divisor of {math.gcd(*scaled.values())}")
+    c.data.seq_len = seq
+    t.global_batch, t.micro_batch = scaled["global_batch"] // seq, scaled["micro_batch"] // seq
+    c.eval.windows = scaled["windows"] // seq
+
+
 def get_config(arg: str = "dense-small-twin"):
     try:
         arch, size, head = arg.split("-", 2)
     except ValueError:
-        raise ValueError(f"config arg {arg!r}: expected <arch>-<size>-<head>, e.g. dense-142m-twin")
+        raise ValueError(f"config arg {arg!r}: expected <arch>-<size>-<head>[@<seq_len>], e.g. dense-142m-twin")
+    head, _, context = head.partition("@")
     if arch not in ARCHS or size not in SIZES or head not in HEADS:
         raise ValueError(
             f"config arg {arg!r}: arch in {ARCHS}, size in {tuple(SIZES)}, head in {HEADS}"
@@ -67,6 +93,8 @@ def get_config(arg: str = "dense-small-twin"):
     c.eval.windows = windows
     if size in LR:
         c.train.lr, c.train.final_lr = LR[size]
+    if context:
+        long_context(c, context)
     # Families (SPEC §3). MoE: 8 experts of half the dense FFN width, top-2, so the active
     # FFN matches Dense. GDN: heads of 128 dims covering d_model.
     c.model.moe.d_expert = c.model.d_ff // 2
@@ -86,23 +114,30 @@ def get_config(arg: str = "dense-small-twin"):
 
 
 # ---------------------------------------------------------------------------------------
-# Experiment grids (SPEC §6): `grid(name, size=None)` lists the arms that
-# `python -m onona_jax.experiments.sweep --grid=<name>` trains and `python -m onona_jax.experiments.report` compares.
+# Experiment grids (SPEC §6 and the paper's open questions, Appendix E): `grid(name, size=None)`
+# lists the arms that `python -m onona_jax.experiments.sweep --grid=<name>` trains and
+# `python -m onona_jax.experiments.report` compares.
 # Each arm belongs to a group and is compared with its group's baseline arm (the arm of that
-# group whose cell is the grid's `baseline`). With `size=None` every arm runs at the paper's
-# size; `size="small"` (or "tiny") maps every spec to that size; arms that then coincide
-# (Table 1's 142m and 330m groups) are kept once.
-# Cells: (arm name, head, overrides rule); the rule "deeper" adds ceil(n_layers/6) layers
-# (24 -> 28 at 330m, as the paper's depth control; 4 -> 5 at small), and "{n_layers}" in the
-# name becomes the deeper layer count ("standard-28l").
+# group whose cell is one of the grid's `baseline`s). With `size=None` every arm runs at the
+# paper's size; `size="small"` (or "tiny", "micro") maps every spec to that size; arms that then
+# coincide (Table 1's 142m and 330m groups) are kept once.
+# A cell is (arm name, head, rule, overrides, group tag): overrides are config keys set for the arm
+# (its budget, its init scale, its context); the rule derives more of them from the model:
+#   "deeper"   ceil(n_layers/6) more layers (24 -> 28 at 330m, the paper's depth control; 4 -> 5 at
+#              small); "{n_layers}" in the name becomes the deeper layer count ("standard-28l");
+#   "matched"  the FFN widened until the total parameters are within 1% of the group's twin arm's
+#              (`param_matched`): the parameter-matched Standard.
+# The group tag splits a grid's arms into groups of their own (the context grid: one per length).
 import dataclasses as _dataclasses
 import math as _math
+
+SQRT2 = _math.sqrt(2.0)
 
 
 @_dataclasses.dataclass
 class Arm:
     name: str  # also the arm's directory under the sweep's workdir
-    spec: str  # "<arch>-<size>-<head>" for get_config
+    spec: str  # "<arch>-<size>-<head>[@<seq_len>]" for get_config
     overrides: dict = _dataclasses.field(default_factory=dict)  # config key -> value
     group: str = ""  # arms are compared within their group
     baseline: str = ""  # name of the group's baseline arm (this arm's own name if it is it)
@@ -112,38 +147,83 @@ class Arm:
         return self.name == self.baseline
 
 
+def _cells(*cells):
+    """Cells as (name, head, rule, overrides, group tag), the missing tail filled in."""
+    return tuple((*c, None, {}, "")[:5] if len(c) == 2 else (*c, {}, "")[:5] if len(c) == 3 else
+                 (*c, "")[:5] for c in cells)
+
+
 GRIDS = {
     "table1": dict(
         doc="Table 1 / Figure 1(b): onóna vs Standard for every family at 142M and 330M",
         archs=("dense", "gdn", "moe", "attnres"), sizes=("142m", "330m"),
-        cells=(("standard", "standard", None), ("twin", "twin", None)),
-        baseline="standard", per_group=True,
+        cells=_cells(("standard", "standard"), ("twin", "twin")),
+        baseline=("standard",), per_group=True,
     ),
     "output_layer": dict(
         doc="Output-layer alternatives at 142M (Dense): onóna vs MoS, sigsoftmax, MoSS, untied",
         archs=("dense",), sizes=("142m",),
-        cells=tuple((h, h, None) for h in ("standard", "twin", "mos", "sigsoftmax", "moss", "untied")),
-        baseline="standard", compare=(("moss", "twin"),),
+        cells=_cells(*((h, h) for h in ("standard", "twin", "mos", "sigsoftmax", "moss", "untied"))),
+        baseline=("standard",), compare=(("moss", "twin"),),
     ),
     "controls": dict(
         doc="Table 5, parameter-matched controls at 142M (Dense)",
         archs=("dense",), sizes=("142m",),
-        cells=tuple((h, h, None) for h in ("standard", "twin", "untied", "mos", "input_gate")),
-        baseline="standard", compare=(("input_gate", "twin"),),
+        cells=_cells(*((h, h) for h in ("standard", "twin", "untied", "mos", "input_gate"))),
+        baseline=("standard",), compare=(("input_gate", "twin"),),
     ),
     "factorial": dict(
         doc="2×2 factorial at 142M (Dense): input averaging × output mixture",
         archs=("dense",), sizes=("142m",),
-        cells=tuple((h, h, None) for h in ("standard", "twin_input_only", "twin_output_only", "twin")),
-        baseline="standard",
+        cells=_cells(*((h, h) for h in ("standard", "twin_input_only", "twin_output_only", "twin"))),
+        baseline=("standard",),
         interaction=dict(baseline="standard", input="twin_input_only", output="twin_output_only", both="twin"),
     ),
     "depth": dict(
         doc="Depth control at 330M (Dense): is onóna worth more than extra layers?",
         archs=("dense",), sizes=("330m",),
-        cells=(("standard", "standard", None), ("standard-{n_layers}l", "standard", "deeper"),
-               ("twin", "twin", None)),
-        baseline="standard", compare=(("twin", "standard-{n_layers}l"),),
+        cells=_cells(("standard", "standard"), ("standard-{n_layers}l", "standard", "deeper"), ("twin", "twin")),
+        baseline=("standard",), compare=(("twin", "standard-{n_layers}l"),),
+    ),
+    # The paper's open questions (Appendix E) as grids.
+    "matched": dict(
+        doc="Resource-matched budgets (Dense): the same tokens, the same training FLOPs (twin-flops), tokens "
+            "in proportion to parameters (-params), and a Standard as large as twin (standard-matched)",
+        archs=("dense",), sizes=("142m", "330m", "1b"),
+        cells=_cells(
+            ("standard", "standard"), ("twin", "twin"),
+            ("twin-flops", "twin", None, {"train.budget": "flops"}),
+            ("standard-matched", "standard", "matched"),
+            ("twin-params", "twin", None, {"train.budget": "params"}),
+            ("standard-matched-params", "standard", "matched", {"train.budget": "params"}),
+        ),
+        baseline=("standard",), per_group=True,
+        compare=(("twin", "standard-matched"), ("twin-params", "standard-matched-params")),
+    ),
+    "init_scale": dict(
+        doc="Init scale (Dense, 142M): twin's M = (A+B)/2 starts at std 0.0141, Standard's E at 0.02; "
+            "each head also at the other's scale",
+        archs=("dense",), sizes=("142m",),
+        cells=_cells(
+            ("standard", "standard"),
+            ("standard-at-m-scale", "standard", None, {"model.table_init_scale": 1 / SQRT2}),
+            ("twin", "twin"),
+            ("twin-at-e-scale", "twin", None, {"model.table_init_scale": SQRT2}),
+        ),
+        baseline=("standard",),
+        compare=(("twin", "standard-at-m-scale"), ("twin-at-e-scale", "twin")),
+    ),
+    "context": dict(
+        doc="Longer contexts (Dense, 142M): twin vs Standard at the size's context (1,024 tokens) and 4× it "
+            "(4,096), the batch in tokens kept",
+        archs=("dense",), sizes=("142m",),
+        cells=_cells(
+            ("standard", "standard", None, {}, "1x"), ("twin", "twin", None, {}, "1x"),
+            ("standard-4x", "standard@4x", None, {}, "4x"), ("twin-4x", "twin@4x", None, {}, "4x"),
+        ),
+        baseline=("standard", "standard-4x"),
+        # Does twin's gain change with the context? (twin − standard at 4×) − (at 1×), paired by seed.
+        interaction=dict(baseline="standard", input="standard-4x", output="twin", both="twin-4x"),
     ),
 }
 
@@ -152,38 +232,106 @@ def _deeper(layers: int) -> int:
     return layers + _math.ceil(layers / 6)
 
 
-def grid_info(name: str, size: str | None = None) -> dict:
-    """The grid as data: arms (dicts), baselines per group, comparisons, interaction."""
+def _set(cfg, key: str, value):
+    *path, leaf = key.split(".")
+    node = cfg
+    for p in path:
+        node = node[p]
+    node[leaf] = value
+
+
+def configure(spec: str, overrides: dict | None = None):
+    """get_config(spec) with `overrides` ({dotted key: value}) set, validated: an arm's config as
+    train.py builds it from its command line (the sweep passes one that adds its `--` flags)."""
+    from onona_jax.config import validate
+
+    cfg = get_config(spec)
+    for key, value in (overrides or {}).items():
+        _set(cfg, key, value)
+    return validate(cfg.copy_and_resolve_references())
+
+
+def param_matched(standard, total: int, tolerance: float = 0.01) -> dict:
+    """The overrides that make the Standard config `standard` a parameter-matched control for a
+    model of `total` parameters: the FFN widened (model.d_ff; MoE: model.moe.d_expert) to the
+    multiple of 64 (ffn_width's granularity) nearest to `total`, or of 8 where no multiple of 64
+    lands within `tolerance` (small models), so that the totals agree within it.
+
+    Wider, not deeper: one layer is too coarse a step (at 330M, 4 more layers leave Standard 1.3%
+    short of twin and 5 put it 1.7% over), width gets within 1% at every size with the same rule,
+    and it keeps depth and attention as they are; the paper's deeper control is the depth grid."""
+    from onona_jax import summary
+
+    m = standard.model
+    key = "moe.d_expert" if m.arch == "moe" else "d_ff"
+
+    def total_at(width):
+        c = m.copy_and_resolve_references()
+        _set(c, key, int(width))
+        return summary.param_counts(c)["total"]
+
+    width = (m.moe.d_expert if m.arch == "moe" else m.d_ff)
+    per_unit = (total_at(width + 64) - total_at(width)) / 64  # the total is affine in the width
+    ideal = width + (total - total_at(width)) / per_unit
+    for step in (64, 8):
+        w = max(step, step * round(ideal / step))
+        got = total_at(w)
+        if abs(got - total) <= tolerance * total:
+            return {f"model.{key}": w}
+    raise ValueError(f"no FFN width puts {standard.name} within {tolerance:.0%} of {total:,} parameters "
+                     f"(nearest: model.{key}={w}, {got:,}); the vocabulary tables outweigh the whole body")
+
+
+def grid_info(name: str, size: str | None = None, make=None) -> dict:
+    """The grid as data: arms (dicts), baselines per group, comparisons, interaction. `make(spec,
+    overrides)` builds an arm's validated config (default `configure`; the sweep's adds its `--`
+    flags), which the "matched" rule reads."""
     if name not in GRIDS:
         raise ValueError(f"unknown grid {name!r}; choose one of {', '.join(GRIDS)}")
     if size is not None and size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    make = make or configure
     g = GRIDS[name]
-    arms, names = [], {}
+    arms, compare, interaction = [], [], None
     for arch in g["archs"]:
         for paper_size in g["sizes"]:
             sz = size or paper_size
             deeper = _deeper(SIZES[sz][1])
-            group = f"{arch}-{sz}"
-            for cell, head, rule in g["cells"]:
-                arm_name = cell.format(n_layers=deeper)
-                names[cell] = arm_name
+            names = {}  # cell name -> arm name, within this arch × size
+            for cell, head, rule, fixed, tag in g["cells"]:
+                names[cell] = cell.format(n_layers=deeper)
                 if g.get("per_group"):
-                    arm_name = f"{arch}-{sz}-{arm_name}"
-                overrides = {"model.n_layers": deeper} if rule == "deeper" else {}
-                base = f"{arch}-{sz}-{g['baseline']}" if g.get("per_group") else g["baseline"]
-                arm = Arm(arm_name, f"{arch}-{sz}-{head}", overrides, group, base)
+                    names[cell] = f"{arch}-{sz}-{names[cell]}"
+            for cell, head, rule, fixed, tag in g["cells"]:
+                overrides = dict(fixed)
+                if rule == "deeper":  # the budget stays the size's (train.reference)
+                    overrides.update({"model.n_layers": deeper, "train.reference": f"n_layers={SIZES[sz][1]}"})
+                elif rule == "matched":
+                    from onona_jax import summary
+
+                    twin = make(f"{arch}-{sz}-twin", {k: v for k, v in fixed.items() if k.startswith("model.")})
+                    standard = make(f"{arch}-{sz}-{head}", fixed)
+                    overrides.update(param_matched(standard, summary.param_counts(twin.model)["total"]))
+                    if arch != "moe":  # the budget stays the size's (train.reference); MoE's d_expert is not in it
+                        overrides["train.reference"] = f"d_ff={standard.model.d_ff}"
+                group = f"{arch}-{sz}" + (f"-{tag}" if tag else "")
+                base = next(names[c] for c, *_, t in g["cells"] if c in g["baseline"] and t == tag)
+                arm = Arm(names[cell], f"{arch}-{sz}-{head}", overrides, group, base)
                 if all(a.name != arm.name for a in arms):  # 142m and 330m coincide off-paper
                     arms.append(arm)
+            for pair in g.get("compare", ()):
+                if [names[x] for x in pair] not in compare:
+                    compare.append([names[x] for x in pair])
+            if g.get("interaction"):
+                interaction = {k: names[v] for k, v in g["interaction"].items()}
     return dict(
         grid=name, doc=g["doc"], size=size or ",".join(g["sizes"]), paper_sizes=list(g["sizes"]),
         arms=[_dataclasses.asdict(a) for a in arms],
         baselines={a.group: a.baseline for a in arms},
-        compare=[[names.get(x, x) for x in pair] for pair in g.get("compare", ())],
-        interaction={k: names.get(v, v) for k, v in g.get("interaction", {}).items()} or None,
+        compare=compare, interaction=interaction,
     )
 
 
-def grid(name: str, size: str | None = None) -> list[Arm]:
+def grid(name: str, size: str | None = None, make=None) -> list[Arm]:
     """The arms of grid `name` at the paper's sizes (size=None) or all at `size`."""
-    return [Arm(**a) for a in grid_info(name, size)["arms"]]
+    return [Arm(**a) for a in grid_info(name, size, make)["arms"]]

@@ -26,6 +26,27 @@ ARCHS = tuple(models.FAMILIES)
 HEADS = tuple(heads_lib.HEADS)
 
 
+BUDGETS = ("tokens", "flops", "params")  # train.budget (summary.budget)
+
+
+def parse_reference(text: str, cfg_model) -> dict:
+    """train.reference "n_layers=24,d_ff=2048" -> {"n_layers": 24, "d_ff": 2048}: integer model keys
+    (moe.d_expert's dotted form too); anything else a ValueError naming the form."""
+    out = {}
+    for item in filter(None, (s.strip() for s in str(text).split(","))):
+        key, _, value = item.partition("=")
+        node = cfg_model
+        for part in key.split(".")[:-1]:
+            node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+        leaf = key.split(".")[-1]
+        if not isinstance(node, ml_collections.ConfigDict) or not isinstance(node.get(leaf), int) \
+                or not value.strip().isdigit() or int(value) <= 0:
+            raise ValueError(f"train.reference={text!r}: expected <model key>=<positive integer>,... of the "
+                             "model's integer keys (e.g. n_layers=24,d_ff=2048), or '' for this model's own shape")
+        out[key] = int(value)
+    return out
+
+
 def ffn_width(d: int) -> int:
     """8d/3 rounded up to a multiple of 64 (SPEC §3)."""
     return 64 * math.ceil(8 * d / 3 / 64)
@@ -50,6 +71,10 @@ def base_config() -> ml_collections.ConfigDict:
     m.d_ff = 2048
     m.rope_theta = 10_000.0
     m.norm_eps = 1e-6
+    # The vocabulary tables' init std is table_init_scale × 0.02, every table of the head (the
+    # gate and the body unchanged). The init-scale control (configs/paper.py grid init_scale):
+    # twin at √2 starts M = (A+B)/2 at Standard's std 0.02; Standard at 1/√2 starts E at M's 0.0141.
+    m.table_init_scale = 1.0
     m.dtype = "bfloat16"  # compute dtype; parameters and optimizer state stay fp32
     m.scan_layers = True
     m.remat = "none"  # none | dots | attention | attention_experts | attention_offload | full (layers.REMAT_POLICIES)
@@ -86,8 +111,18 @@ def base_config() -> ml_collections.ConfigDict:
     m.attnres.block_size = 1  # sublayers per block; 1 = full AttnRes
 
     c.train = t = ml_collections.ConfigDict()
-    t.steps = 0  # 0: derive from tokens_per_param
+    t.steps = 0  # the reference's steps (below); 0: tokens_per_param × the Dense Standard parameters
     t.tokens_per_param = 40.0
+    # What every arm of a size is matched on (summary.budget), against the reference: the Dense
+    # Standard model of this size trained train.steps (or tokens_per_param × its parameters):
+    # tokens (the same steps: the paper's) | flops (the reference's training FLOPs over this model's
+    # FLOPs per token: a twin arm trains fewer tokens) | params (tokens in proportion to this model's
+    # own parameters: tokens_per_param × its total).
+    t.budget = "tokens"
+    # Where the reference differs from this model's shape, as model keys: "n_layers=24" (the depth
+    # control), "d_ff=2048" (the parameter-matched Standard); "" = this model's own shape. The grids'
+    # rules set it, so that a deeper or wider control trains the budget of its size, not its own.
+    t.reference = ""
     t.global_batch = 256
     t.micro_batch = 16  # per data-parallel replica; 0 = global_batch / replicas (no accumulation)
     t.lr = 1e-3
@@ -199,6 +234,9 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     need(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE")
     need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive (RoPE's base, e.g. 10000.0)")
     need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive (RMSNorm divides by sqrt(mean + eps))")
+    need(m.table_init_scale > 0,
+         f"model.table_init_scale={m.table_init_scale} must be positive (the vocabulary tables' init std is it × 0.02; "
+         "1.0 = the paper's)")
     need(m.dtype in ("float32", "bfloat16"), f"model.dtype {m.dtype!r}: float32 or bfloat16")
     need(m.remat in layers.REMAT_POLICIES, f"model.remat {m.remat!r}: one of {', '.join(layers.REMAT_POLICIES)}")
     need(m.attention_impl != "blocked",
@@ -290,6 +328,12 @@ def _validate_training(cfg, need, defaults):
     need(t.steps >= 0, f"train.steps={t.steps} must be positive (or 0: derived from train.tokens_per_param)")
     need(t.steps > 0 or t.tokens_per_param > 0,
          f"train.tokens_per_param={t.tokens_per_param} must be positive when train.steps=0 derives the budget")
+    try:
+        parse_reference(t.reference, cfg.model)
+    except ValueError as err:
+        need(False, str(err))
+    need(t.budget in BUDGETS, f"train.budget={t.budget!r}: one of {', '.join(BUDGETS)} (what every arm is "
+         "matched on: the same tokens, the same training FLOPs or tokens in proportion to its parameters)")
     need(t.global_batch > 0, f"train.global_batch={t.global_batch} must be positive (sequences per step)")
     need(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be positive, or 0 for no accumulation")
     # The schedule (optimizer.wsd): warmup to lr, constant, linear decay to final_lr.

@@ -167,7 +167,8 @@ def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chun
 # counts its tables:
 #
 #   tables        names of its [V, d] vocabulary tables, any number (parameter counts)
-#   ablations     the one-table evaluations it reports (twin: a, b), `ablation_table(name)`
+#   ablations     the table ablations it reports (`ABLATION_KINDS`; twin: a_only, b_only, a_in,
+#                 b_in, a_out, b_out), the table each names by `ablation_table(letter)`
 #   embed(tokens), mixture(h, x0)   the forward: input rows and output distribution
 #   output_projections(cfg)         V×d projections per position (FLOPs)
 #   fold()        the serving and export form (`Fold`): input table, K output tables, the
@@ -198,6 +199,27 @@ class Fold(NamedTuple):
     score: str | None = None
 
 
+# The table ablations (evaluation only: eval.py, the training loop's final validation), for a head
+# whose tables include X (`<x>_<kind>`, x the table's name in lower case):
+#   only   the body reads X[x] and the output is softmax(X h): one table at input and output, no
+#          gate (the paper's one-table ablation, SPEC §2);
+#   in     the body reads X[x]; the output is the model's own (its mixture, its gate of the input
+#          token): what X alone is worth as the input table;
+#   out    the body reads the model's own input rows; the output is softmax(X h): what X alone is
+#          worth as the output table.
+# A head declares the ones that differ from the model itself and from each other.
+ABLATION_KINDS = ("only", "in", "out")
+
+
+def ablation_parts(name: str) -> tuple[str, str]:
+    """'a_out' -> ('a', 'out'); a name of another form is a ValueError naming the forms."""
+    table, _, kind = name.rpartition("_")
+    if not table or kind not in ABLATION_KINDS:
+        raise ValueError(f"table ablation {name!r}: expected <table>_<kind> with kind one of "
+                         f"{', '.join(ABLATION_KINDS)} (e.g. a_only, b_out)")
+    return table, kind
+
+
 class CannotUpcycle(ValueError):
     """A head that does not start from a Standard checkpoint (`Head.upcycle`)."""
 
@@ -207,9 +229,12 @@ def _rows(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 # Init names: the tables that play the same role share a name across heads, so the 2×2
-# factorial cells (and standard vs twin) start from identical A (SPEC §2).
-def _table(vocab, d, name):
-    return param((vocab, d), ("vocab", "embed"), init_name=f"tables/{name}")
+# factorial cells (and standard vs twin) start from identical A (SPEC §2). `scale` is
+# model.table_init_scale: every table of the head at scale × 0.02 (twin at √2 gives M = (A+B)/2
+# Standard's 0.02; Standard at 1/√2 gives E twin's M scale), nothing else changed.
+def _table(cfg, name):
+    return param((cfg.vocab_size, cfg.d_model), ("vocab", "embed"), init_name=f"tables/{name}",
+                 scale=cfg.get("table_init_scale", 1.0))
 
 
 def _gate(d):
@@ -221,7 +246,7 @@ class Head(nnx.Module):
 
     tables: tuple[str, ...] = ()
     score: str | None = None  # a score transform of the logits (sigsoftmax), see `Mixture`
-    ablations: tuple[str, ...] = ()
+    ablations: tuple[str, ...] = ()  # `ABLATION_KINDS`: the ones that differ from the model
     gate_reads: tuple[str, str] | None = None
 
     def __init__(self, cfg):
@@ -257,6 +282,13 @@ class Head(nnx.Module):
 
     def fold(self) -> Fold | None:
         return None
+
+    def ablation_table(self, table: str):
+        """The [V, d] table an ablation names (`ablation_parts`): 'a' -> A, 'embedding' -> embedding."""
+        names = {t.lower(): t for t in self.tables}
+        if table not in names:
+            raise ValueError(f"table ablation of {table!r}: {type(self).__name__} has tables {', '.join(names)}")
+        return getattr(self, names[table])[...]
 
     def gate_probs(self, tokens):
         """The gate's weights for input `tokens`: [...] for a two-way gate (the first table's
@@ -296,7 +328,7 @@ class StandardHead(Head):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.embedding = _table(cfg.vocab_size, cfg.d_model, "A")
+        self.embedding = _table(cfg, "A")
 
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
@@ -313,13 +345,13 @@ class TwinHead(Head):
     a gate that reads only the input token."""
 
     tables = ("A", "B")
-    ablations = ("a", "b")
+    ablations = ("a_only", "b_only", "a_in", "b_in", "a_out", "b_out")
     gate_reads = ("M", "M = (A+B)/2")  # (symbol, definition) of the rows the gate reads
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.A = _table(cfg.vocab_size, cfg.d_model, "A")
-        self.B = _table(cfg.vocab_size, cfg.d_model, "B")
+        self.A = _table(cfg, "A")
+        self.B = _table(cfg, "B")
         self.gate = _gate(cfg.d_model)
 
     @classmethod
@@ -358,10 +390,6 @@ class TwinHead(Head):
     def mixture(self, h, x0):
         return Mixture(h, (self.A[...], self.B[...]), gate_log_weights(gate_logit(x0, self.gate[...])))
 
-    def ablation_table(self, name: str):
-        """The one-table ablation (SPEC §2): that table at input and output, no gate."""
-        return {"a": self.A, "b": self.B}[name][...]
-
     def fold(self):
         return Fold(self.embed_table(), (self.A[...], self.B[...]),
                     gate_log_weights(gate_logit(self.gate_table(), self.gate[...])))
@@ -375,11 +403,13 @@ class UntiedHead(Head):
     """Separate input table E and output table W (+Vd)."""
 
     tables = ("embedding", "unembedding")
+    # embedding_in and unembedding_out are the model; unembedding_in and embedding_out its _only
+    ablations = ("embedding_only", "unembedding_only")
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.embedding = _table(cfg.vocab_size, cfg.d_model, "A")
-        self.unembedding = _table(cfg.vocab_size, cfg.d_model, "unembedding")
+        self.embedding = _table(cfg, "A")
+        self.unembedding = _table(cfg, "unembedding")
 
     def embed(self, tokens):
         return _rows(self.embedding[...], tokens)
@@ -413,7 +443,7 @@ class MoSHead(Head):
     def __init__(self, cfg, sig: bool = False):
         super().__init__(cfg)
         d, K = cfg.d_model, cfg.mos_components
-        self.embedding = _table(cfg.vocab_size, d, "A")
+        self.embedding = _table(cfg, "A")
         self.mos_proj = param((K, d, d), (None, "embed", None))
         self.mos_prior = param((d, K), ("embed", None))
         self.sig = sig
@@ -443,7 +473,7 @@ class InputGateHead(TwinHead):
     """Control: the gate mixes the *input* rows, g·A[x] + (1−g)·B[x]; the output is a single
     softmax(Mh) with M = (A+B)/2."""
 
-    ablations = ()
+    ablations = TwinHead.ablations  # input g·A+(1−g)·B and output M: each of the six differs
 
     @classmethod
     def output_projections(cls, cfg) -> int:
@@ -466,11 +496,12 @@ class TwinInputOnlyHead(Head):
     """Factorial cell: twin input M[x], single output softmax(Ah) (+Vd)."""
 
     tables = ("A", "B")
+    ablations = ("a_only", "b_only", "b_in", "b_out")  # output A: a_in is a_only, a_out is the model
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.A = _table(cfg.vocab_size, cfg.d_model, "A")
-        self.B = _table(cfg.vocab_size, cfg.d_model, "B")
+        self.A = _table(cfg, "A")
+        self.B = _table(cfg, "B")
 
     @classmethod
     def upcycle(cls, fresh, E):
@@ -489,7 +520,7 @@ class TwinInputOnlyHead(Head):
 class TwinOutputOnlyHead(TwinHead):
     """Factorial cell: input A[x], the twin output mixture with the gate reading A[x]."""
 
-    ablations = ()
+    ablations = ("a_only", "b_only", "b_in", "b_out")  # input A: a_in is the model, a_out is a_only
     gate_reads = ("A", "the table A")
 
     def embed(self, tokens):

@@ -41,8 +41,11 @@ def param(
     *,
     stack: Stack | None = None,
     init_name: str | None = None,
+    scale: float = 1.0,
 ) -> nnx.Param:
-    """Declare a parameter. `stack` prepends a `layers` axis (scan over layers)."""
+    """Declare a parameter. `stack` prepends a `layers` axis (scan over layers); `scale`
+    multiplies the initialiser's values (the vocabulary tables' `model.table_init_scale`), the
+    key staying the path's, so a scaled table is `scale` × the unscaled one (to fp32 rounding)."""
     if len(shape) != len(axes):
         raise ValueError(f"shape {shape} and logical axes {axes} differ in rank")
     if init not in INITIALIZERS:
@@ -51,6 +54,8 @@ def param(
     if stack is not None:
         shape, axes = (stack.count, *shape), ("layers", *axes)
         meta = {"layer_stride": stack.stride, "layer_offset": stack.offset}
+    if scale != 1.0:
+        meta["init_scale"] = float(scale)
     return nnx.Param(jnp.zeros(shape, jnp.float32), axes=tuple(axes), init=init, init_name=init_name, **meta)
 
 
@@ -112,7 +117,8 @@ def flat_variables(state: nnx.State):
 
 def init_value(seed_key: jax.Array, path: tuple[Any, ...], var: nnx.Variable) -> jax.Array:
     meta = var.get_metadata()
-    init = INITIALIZERS[meta["init"]]
+    base, scale = INITIALIZERS[meta["init"]], meta.get("init_scale", 1.0)
+    init = base if scale == 1.0 else (lambda k, shape: base(k, shape) * scale)
     name = meta.get("init_name") or path_str(path)
     key = jax.random.fold_in(seed_key, zlib.crc32(name.encode()))
     shape = tuple(var.shape)

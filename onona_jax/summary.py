@@ -123,6 +123,63 @@ def flops_per_token(cfg_model, seq_len: int, causal: bool = True) -> dict[str, f
     }
 
 
+def reference_model(cfg_model, reference: str = ""):
+    """The Dense Standard model of the same size, what every arm's budget is measured against: this
+    model's shape with `train.reference`'s keys set (a deeper or wider control's own size)."""
+    import ml_collections
+
+    m = ml_collections.ConfigDict(cfg_model.to_dict())
+    m.arch, m.head, m.table_init_scale = "dense", "standard", 1.0
+    for key, value in config_lib.parse_reference(reference, m).items():
+        *path, leaf = key.split(".")
+        node = m
+        for p in path:
+            node = node[p]
+        node[leaf] = value
+    return m
+
+
+def budget(cfg) -> dict:
+    """The run's step count and what it spends, under `train.budget` (config.py):
+
+    * the reference: Dense Standard of this size (`reference_model`, `train.reference`), trained `train.steps`, or
+      ⌈tokens_per_param × its parameters / tokens per step⌉ when train.steps = 0 (the paper's 40);
+    * `tokens`: the reference's steps;
+    * `flops`: round(reference steps × reference FLOPs per token / this model's), the nearest whole
+      step to the reference's training FLOPs (`flops_per_token`'s `train`, at data.seq_len);
+    * `params`: ⌈tokens_per_param × this model's parameters / tokens per step⌉ (train.steps = 0), or
+      ⌈reference steps × this model's parameters / the reference's⌉.
+
+    Returns steps, tokens, flops (training FLOPs in all), params (total) and tokens_per_param, with
+    the reference's steps, params and flops (`reference_*`)."""
+    t = cfg.train
+    tokens_per_step = t.global_batch * cfg.data.seq_len
+    ref_model = reference_model(cfg.model, t.get("reference", ""))
+    ref_params, params = param_counts(ref_model)["total"], param_counts(cfg.model)["total"]
+    ref_flops = flops_per_token(ref_model, cfg.data.seq_len)["train"]
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
+    if t.steps > 0:
+        ref_steps = int(t.steps)
+    else:  # exact: a float product could round a whole number of steps up by one
+        ref_steps = math.ceil(Fraction(str(t.tokens_per_param)) * ref_params / tokens_per_step)
+    kind = cfg.train.get("budget", "tokens")
+    if kind == "tokens":
+        steps = ref_steps
+    elif kind == "flops":
+        steps = round(ref_steps * ref_flops / flops)
+    elif kind == "params":
+        steps = (math.ceil(Fraction(ref_steps * params, ref_params)) if t.steps > 0 else
+                 math.ceil(Fraction(str(t.tokens_per_param)) * params / tokens_per_step))
+    else:
+        raise ValueError(f"train.budget={kind!r}: one of {', '.join(config_lib.BUDGETS)}")
+    tokens = steps * tokens_per_step
+    return {
+        "budget": kind, "steps": steps, "tokens": tokens, "flops": tokens * flops, "params": params,
+        "tokens_per_param": tokens / params, "reference_steps": ref_steps, "reference_params": ref_params,
+        "reference_flops": ref_steps * tokens_per_step * ref_flops,
+    }
+
+
 def summarize(cfg) -> dict:
     counts = param_counts(cfg.model)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -132,6 +189,7 @@ def summarize(cfg) -> dict:
         **counts,
         "flops_per_token_train": flops["train"],
         "flops_per_token_forward": flops["forward"],
+        "training": budget(cfg),
     }
 
 
@@ -142,6 +200,10 @@ def format_table(s: dict) -> str:
     lines = [f"{s['config']}", "-" * (width + 18)]
     lines += [f"{name:<{width}}  {n:>15,}" for name, n in rows]
     lines.append(f"{'train FLOPs/token':<{width}}  {s['flops_per_token_train']:>15.4e}")
+    b = s["training"]
+    lines.append(f"budget ({b['budget']}): {b['steps']:,} steps, {b['tokens']:,} tokens "
+                 f"({b['tokens_per_param']:.2f} per parameter), {b['flops']:.4e} training FLOPs "
+                 f"(reference Dense Standard: {b['reference_steps']:,} steps, {b['reference_flops']:.4e})")
     return "\n".join(lines)
 
 

@@ -224,7 +224,7 @@ def test_mos_memory_bound_separates_plain(tiny_data):
 
 
 def ablation_eval_step(data_dir, **model):
-    """The validation step of the twin head's one-table ablation `a` (`validation.make_eval_step`),
+    """The validation step of the twin head's one-table ablation `a_only` (`validation.make_eval_step`),
     tiny model, one device, 4 windows of 64 tokens, and its run."""
     from onona_jax.eval import validation
 
@@ -233,7 +233,7 @@ def ablation_eval_step(data_dir, **model):
     cfg.data.seq_len = 64
     cfg.model.update(**model)
     run = trainer.setup(cfg, jax.devices()[:1])
-    return validation.make_eval_step(run.graphdef, run.mesh, run.param_shardings, "a"), run
+    return validation.make_eval_step(run.graphdef, run.mesh, run.param_shardings, "a_only"), run
 
 
 ONE_TILE = 256 * 50304 * 4  # one [256 tokens, V] fp32 buffer: the default tile, and all 4 × 64 tokens

@@ -30,7 +30,7 @@ import eval as eval_cli
 import train as train_cli
 from conftest import REPO, tiny_config
 from onona_jax import config as config_lib
-from onona_jax import paths
+from onona_jax import paths, summary
 from onona_jax import train as trainer
 from onona_jax.checkpoint import CheckpointMismatch, Checkpoints, restore_params, saved_config
 from onona_jax.train import loop
@@ -465,7 +465,7 @@ def test_steps_may_change_until_the_decay_begins(tiny_data, copy_run):
         assert all(same) == ok
     # A budget derived from tokens_per_param (train.steps=0, here 8 steps) is compared as the
     # number it resolves to.
-    tpp = 7.5 * 8 * 32 / trainer.dense_standard_params(cfg)
+    tpp = 7.5 * 8 * 32 / summary.budget(cfg)["reference_params"]
     plan(copy_run, steps=0, tokens_per_param=tpp)
     for steps, ok in ((0, True), (8, True), (4, False)):
         cfg.train.update(steps=steps, tokens_per_param=tpp)

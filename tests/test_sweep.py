@@ -37,10 +37,10 @@ def test_depth_grid_adds_four_layers_at_330m_and_one_at_small():
     arms = {a.name: a for a in PAPER.grid("depth")}
     assert list(arms) == ["standard", "standard-28l", "twin"]
     assert arms["standard-28l"].spec == "dense-330m-standard"
-    assert arms["standard-28l"].overrides == {"model.n_layers": 28}
+    assert arms["standard-28l"].overrides == {"model.n_layers": 28, "train.reference": "n_layers=24"}
     assert PAPER.get_config("dense-330m-standard").model.n_layers == 24
     small = {a.name: a for a in PAPER.grid("depth", "small")}
-    assert small["standard-5l"].overrides == {"model.n_layers": 5}
+    assert small["standard-5l"].overrides == {"model.n_layers": 5, "train.reference": "n_layers=4"}
     assert PAPER.grid_info("depth", "small")["compare"] == [["twin", "standard-5l"]]
 
 
@@ -73,7 +73,8 @@ def test_small_size_maps_every_spec_to_small_and_configs_validate(name):
         validate(cfg)
     paper = PAPER.grid(name)
     # Table 1's 142m and 330m groups coincide at one size and are run once.
-    assert len(arms) == (8 if name == "table1" else len(paper))
+    # Table 1's and matched's 142m and 330m (and 1b) groups coincide at one size and are run once.
+    assert len(arms) == {"table1": 8, "matched": 6}.get(name, len(paper))
 
 
 def test_output_layer_and_controls_grids():
@@ -122,6 +123,30 @@ def table(md, section="## Validation loss"):
     return rows
 
 
+def ablation_rows(md):
+    """{(arm, ablation): {column: cell}} of the report's table ablations."""
+    lines = md.split("## Table ablations", 1)[1].strip().splitlines()
+    lines = lines[next(i for i, x in enumerate(lines) if x.startswith("|")):]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0], cells[1]] = dict(zip(header, cells))
+    return rows
+
+
+def test_the_report_spells_the_ablation_kinds_as_the_heads_do():
+    from onona_jax import heads
+
+    assert report.ABLATION_ORDER == heads.ABLATION_KINDS
+    for head in heads.HEADS.values():
+        for name in head.ablations:
+            assert report.ABLATION_KEY.match(f"val_loss_{name}"), name
+            assert heads.ablation_parts(name)[0] in {t.lower() for t in head.tables}, (head, name)
+
+
 def close(cell, x, decimals=4):
     """A table cell equals x to its printed precision (t(0.975, 1) = 12.706 to 3 decimals)."""
     return abs(float(cell) - x) <= 0.51 * 10**-decimals + 2e-5 * abs(x)
@@ -148,9 +173,10 @@ def test_report_numbers_trace_to_the_eval_files(tmp_path):
     d = tmp_path / "sweep"
     write_grid(d, ["standard", "twin"], [0, 1])
     values = {("standard", 0): 3.1250, ("standard", 1): 3.1410, ("twin", 0): 3.1010, ("twin", 1): 3.1230}
-    abl = {0: (3.35, 3.41), 1: (3.37, 3.44)}
+    abl = {0: (3.35, 3.41, 3.20), 1: (3.37, 3.44, 3.18)}
     for (arm, seed), v in values.items():
-        extra = dict(val_loss_a_only=abl[seed][0], val_loss_b_only=abl[seed][1]) if arm == "twin" else {}
+        extra = dict(val_loss_a_only=abl[seed][0], val_loss_b_only=abl[seed][1], val_loss_b_out=abl[seed][2],
+                     val_loss_b_in_window=1.0) if arm == "twin" else {}  # the last: not an ablation's key
         write_eval(d, arm, seed, 1000, v, **extra)
         # An earlier evaluation, and one whose step sorts after 1000 as text: neither is used.
         write_eval(d, arm, seed, 200, 9.0)
@@ -171,10 +197,13 @@ def test_report_numbers_trace_to_the_eval_files(tmp_path):
     assert rows["twin"]["Δ n"] == "2"
     assert rows["twin"]["Δ std"] == f"{sd(diffs):.5f}"
     assert close(rows["twin"]["Δ 95% CI ±"], t975(1) * sd(diffs) / math.sqrt(2), 5)
-    ablation = table(md, "## One-table ablations")["twin"]
-    assert ablation["a_only"] == f"{mean([abl[0][0], abl[1][0]]):.4f}"
-    gap_b = mean([abl[s][1] - values["twin", s] for s in (0, 1)])
-    assert ablation["b_only gap"] == f"{gap_b:+.5f}"
+    ablations = ablation_rows(md)
+    assert list(ablations) == [("twin", "a_only"), ("twin", "b_only"), ("twin", "b_out")]  # the paper's first
+    assert ablations["twin", "a_only"]["val_loss"] == f"{mean([abl[0][0], abl[1][0]]):.4f}"
+    for name, i in (("b_only", 1), ("b_out", 2)):
+        gaps = [abl[s][i] - values["twin", s] for s in (0, 1)]
+        assert ablations["twin", name]["gap"] == f"{mean(gaps):+.5f}"
+        assert close(ablations["twin", name]["gap 95% CI ±"], t975(1) * sd(gaps) / math.sqrt(2), 5)
 
     rep = json.loads((d / "report.json").read_text())
     arms = {a["name"]: a for a in rep["arms"]}
@@ -273,8 +302,9 @@ def test_emit_writes_one_line_per_arm_and_seed_and_runs_nothing(tmp_path, capsys
 def test_dry_run_prints_commands_and_writes_nothing(tmp_path, capsys):
     d = tmp_path / "sweep"
     assert sweep.main(["--grid=table1", "--seeds=0", f"--workdir={d}", "--dry_run"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 16
+    out = capsys.readouterr().out.strip().splitlines()
+    lines = [x for x in out if not x.startswith("# ")]  # the rest: the budget table (test_open_questions)
+    assert len(lines) == 16 and len(out) == 16 + 1 + 16
     assert any("--config=configs/paper.py:moe-330m-twin" in x for x in lines)
     assert not d.exists()
     # train.py's flags belong after `--`: before it they are unknown flags of the sweep

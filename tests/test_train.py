@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_steps, tiny_config
-from onona_jax import config
+from onona_jax import config, summary
 from onona_jax.train import optimizer as optim
 from onona_jax import train as trainer
 from onona_jax.data import pipeline
@@ -61,7 +61,7 @@ def test_clip_by_global_norm_is_optax_in_one_pass():
 def test_token_budget_steps(size, steps):
     for head in ("standard", "twin"):  # the twin arm gets the Dense Standard budget too
         cfg = config.load(os.path.join(REPO, f"configs/paper.py:dense-{size}-{head}"))
-        assert optim.total_steps(cfg, trainer.dense_standard_params(cfg)) == steps
+        assert summary.budget(cfg)["steps"] == steps
 
 
 # Pure FSDP and 2 × 2 × 2 are slow: suite-time margin (cover for 2 × 2 × 2: test_families).

@@ -1,5 +1,6 @@
 """Validation loss on the fixed held-out windows (SPEC §5) and, for heads that declare them,
-the one-table ablations (twin: `a_only`, `b_only`).
+the table ablations on the same windows (twin: `a_only`, `b_only`, `a_in`, `b_in`, `a_out`,
+`b_out`: `heads.ABLATION_KINDS`), each as `val_loss_<ablation>`.
 
 `validation` adds `val_bits_per_byte` = Σ NLL / Σ bytes / ln 2 over the same scored targets
 (every window position but the first), where a target's bytes are those its token stands for
@@ -28,13 +29,13 @@ from onona_jax import tokenizer as tokenizer_lib
 from onona_jax.checkpoint import restore_params
 
 
-def make_eval_step(graphdef, mesh, param_shardings, table: str | None = None):
+def make_eval_step(graphdef, mesh, param_shardings, ablation: str | None = None):
     """Sum of NLL and token count over a [b, T+1] batch with per-window weights (padding)."""
     layout = sharding.loss_layout(mesh)
 
     def nll_sum(params, tokens, weights):
         model = models.bind(graphdef, params)
-        lp = model.target_log_probs(tokens[:, :-1], tokens[:, 1:], table=table, layout=layout)
+        lp = model.target_log_probs(tokens[:, :-1], tokens[:, 1:], ablation=ablation, layout=layout)
         return -jnp.sum(lp * weights[:, None]), jnp.sum(weights) * lp.shape[1]
 
     replicated = NamedSharding(mesh, P())
@@ -46,8 +47,8 @@ def make_eval_step(graphdef, mesh, param_shardings, table: str | None = None):
 
 
 class Evaluator:
-    """Mean NLL over fixed windows (every process holds all of them), per table variant; one
-    compiled step per variant, built on first use."""
+    """Mean NLL over fixed windows (every process holds all of them), per variant (None: the
+    model, else a table ablation); one compiled step per variant, built on first use."""
 
     def __init__(self, graphdef, mesh, param_shardings):
         self.graphdef, self.mesh, self.param_shardings = graphdef, mesh, param_shardings
@@ -74,7 +75,7 @@ class Evaluator:
                 wb = jax.make_array_from_callback((b,), w_rows, lambda idx: weights[i:i + b][idx])
                 s, c = fn(params, tb, wb)
                 total, count = total + s, count + c
-            out["val_loss" if table is None else f"val_loss_{table}_only"] = float(total / count)
+            out["val_loss" if table is None else f"val_loss_{table}"] = float(total / count)
         return out
 
 
@@ -101,7 +102,7 @@ def bits_per_byte(val_loss: float, windows: np.ndarray, tok) -> dict:
 
 
 def variants(cfg_model) -> tuple:
-    """The full model, then the head's one-table ablations."""
+    """The full model, then the head's table ablations."""
     return (None, *heads_lib.head_class(cfg_model.head).ablations)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 
@@ -33,7 +34,11 @@ T975 = (
     2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
 )
 Z975 = 1.959963984540054
-ABLATIONS = ("val_loss_a_only", "val_loss_b_only")
+# An eval file's table ablations (`heads.ABLATION_KINDS`: only, in, out), e.g. val_loss_a_out. The
+# report reads eval files without importing the model code, so the kinds are spelled here too
+# (tests/test_sweep.py checks that they agree).
+ABLATION_KEY = re.compile(r"^val_loss_(\w+_(?:only|in|out))$")
+ABLATION_ORDER = ("only", "in", "out")
 
 
 def t_quantile(df: int) -> float:
@@ -97,16 +102,33 @@ def read_run(workdir: str, arm: dict, seed: int, status: dict) -> dict:
         rec.update(status="invalid", val_loss=data.get("val_loss"), note="val_loss is not a finite number")
         return rec
     rec.update(status="ok", val_loss=float(data["val_loss"]))
-    for key in ABLATIONS:
-        if _finite(data.get(key)):
-            rec[key] = float(data[key])
+    for key, value in data.items():
+        if ABLATION_KEY.match(key) and _finite(value):
+            rec[key] = float(value)
     if rec["config"] not in (None, arm["spec"]):
         rec["note"] = f"eval file's config {rec['config']!r} differs from the arm's {arm['spec']!r}"
     return rec
 
 
+def pool_tokens(run_dir: str) -> int | None:
+    """Tokens in the training split the run read (its config.json's data.dir, or the bundled corpus
+    prepared into the run: the manifest's train tokens); None where either file is not there."""
+    try:
+        cfg = json.loads(paths.read_text(paths.Workdir(run_dir).config))
+        data = paths.Workdir(run_dir).data_dir(cfg.get("data", {}).get("dir", ""))
+        return int(json.loads(paths.read_text(paths.join(data, "manifest.json")))["splits"]["train"]["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _ok(runs: dict) -> dict:
     return {s: r for s, r in runs.items() if r["status"] == "ok"}
+
+
+def _ablation_keys(records) -> list[str]:
+    """The ablation keys the records hold: the paper's `_only` first, then `_in`, then `_out`."""
+    keys = {k for r in records for k in r if ABLATION_KEY.match(k)}
+    return sorted(keys, key=lambda k: (ABLATION_ORDER.index(k.rsplit("_", 1)[1]), k))
 
 
 def paired(a_runs: dict, b_runs: dict) -> dict:
@@ -146,13 +168,16 @@ def build(workdir: str) -> dict:
                 row["mean"] - summarize(v["val_loss"] for v in base_ok.values())["mean"]
                 if ok and base_ok else None)
         abl = {}
-        for key in ABLATIONS:
+        for key in _ablation_keys(ok.values()):
             vals = {s: v for s, v in ok.items() if key in v}
             if vals:
                 abl[key] = summarize(v[key] for v in vals.values())
                 abl[key + "_gap"] = summarize(v[key] - v["val_loss"] for v in vals.values())
         if abl:
             row["ablations"] = abl
+        if a.get("budget"):  # the sweep's summary.budget of the arm; passes over each run's training pool
+            pools = sorted({p for s in seeds if (p := pool_tokens(paths.Sweepdir(workdir).run(a["name"], s).root))})
+            row["budget"] = dict(a["budget"], pool_tokens=pools, passes=[a["budget"]["tokens"] / p for p in pools])
         steps = sorted({v.get("step") for v in ok.values()} - {None})
         if len(steps) > 1:
             row["note"] = f"seeds were evaluated at different steps {steps}"
@@ -220,18 +245,34 @@ def markdown(report: dict) -> str:
             f"| {_f(a['ci95'])} | {base} | {d.get('n', '—') if d else '—'} | {_s(d.get('std'))} "
             f"| {_s(d.get('ci95'))} | {_seeds(a['missing'] + a['invalid'])} | {_seeds(a['failed'])} |"
         )
+    budgeted = [a for a in report["arms"] if a.get("budget")]
+    if budgeted:
+        lines += ["", "## Budgets", "",
+                  "What each arm trains (`summary.budget`, train.budget): its parameters, steps, tokens and training "
+                  "FLOPs against its size's reference (Dense Standard); passes = tokens / tokens in the training "
+                  "pool (each run's data manifest; one value per distinct pool).", "",
+                  "| arm | budget | params | steps | tokens | tokens/param | train FLOPs | FLOPs/reference | passes |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for a in budgeted:
+            b = a["budget"]
+            passes = ", ".join(f"{x:.3f}" for x in b["passes"]) or "—"
+            lines.append(f"| {a['name']} | {b['budget']} | {b['params']:,} | {b['steps']:,} | {b['tokens']:,} "
+                         f"| {b['tokens_per_param']:.2f} | {b['flops']:.4e} | {b['flops'] / b['reference_flops']:.4f} "
+                         f"| {passes} |")
     abl = [a for a in report["arms"] if a.get("ablations")]
     if abl:
-        lines += ["", "## One-table ablations", "",
-                  "The trained twin model evaluated with table A only / B only (SPEC §2); gap = ablation − mixture.",
-                  "", "| arm | n | a_only | a_only gap | b_only | b_only gap |", "|---|---|---|---|---|---|"]
+        lines += ["", "## Table ablations", "",
+                  "Each trained model on the same validation windows with one table in place of its own "
+                  "(README \"Table ablations\"): `X_only` reads and predicts with X alone, no gate (the paper's, "
+                  "SPEC §2); `X_in` feeds X[x] to the body under the model's own output; `X_out` predicts with X "
+                  "alone from the model's own input rows. Gap = ablation − the model, paired by seed.",
+                  "", "| arm | ablation | n | val_loss | gap | gap 95% CI ± |", "|---|---|---|---|---|---|"]
         for a in abl:
             x = a["ablations"]
-            ga, gb = x.get("val_loss_a_only", {}), x.get("val_loss_b_only", {})
-            lines.append(
-                f"| {a['name']} | {ga.get('n', gb.get('n', 0))} | {_f(ga.get('mean'))} "
-                f"| {_d(x.get('val_loss_a_only_gap', {}).get('mean'))} | {_f(gb.get('mean'))} "
-                f"| {_d(x.get('val_loss_b_only_gap', {}).get('mean'))} |")
+            for key in (k for k in x if not k.endswith("_gap")):
+                gap = x[key + "_gap"]
+                lines.append(f"| {a['name']} | {key[len('val_loss_'):]} | {x[key]['n']} | {_f(x[key]['mean'])} "
+                             f"| {_d(gap['mean'])} | {_s(gap['ci95'])} |")
     if report.get("comparisons"):
         lines += ["", "## Comparisons", "", "| a − b | n | mean | std | 95% CI ± |", "|---|---|---|---|---|"]
         for c in report["comparisons"]:

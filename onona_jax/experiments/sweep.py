@@ -62,8 +62,48 @@ def load_paper_configs(root: str | None = None):
     return module
 
 
-def grid_info(name: str, size: str | None = None, root: str | None = None) -> dict:
-    return load_paper_configs(root).grid_info(name, size)
+def arm_config(spec: str, overrides: dict, extra=(), root: str | None = None):
+    """The validated config train.py builds for an arm: `--config=configs/paper.py:<spec>`, the
+    arm's overrides and the sweep's `--config.*` flags after `--`, parsed as train.py parses them."""
+    from onona_jax import config as config_lib
+
+    argv = ["train.py", f"--config={os.path.join(root or repo_root(), 'configs', 'paper.py')}:{spec}",
+            *[f"--config.{k}={_value(v)}" for k, v in overrides.items()],
+            *[a for a in extra if a.startswith("--config.")]]
+    fv = flags.FlagValues()
+    config_lib.define_flag(fv, argv)
+    fv(argv)
+    return config_lib.validate(fv.config)
+
+
+def budgets(arms, extra=(), root: str | None = None) -> dict:
+    """{arm name: summary.budget} of each arm as train.py will run it (steps, tokens, FLOPs, params)."""
+    from onona_jax import summary
+
+    return {a["name"]: summary.budget(arm_config(a["spec"], a.get("overrides", {}), extra, root)) for a in arms}
+
+
+def grid_info(name: str, size: str | None = None, root: str | None = None, extra=()) -> dict:
+    """The grid (configs/paper.py `grid_info`) with every arm's config built as its train.py
+    command line builds it, `--` flags included (a parameter-matched arm matches the model it will
+    be compared with), and each arm's budget under "budget"."""
+    info = load_paper_configs(root).grid_info(name, size, lambda spec, o: arm_config(spec, o, extra, root))
+    for arm, b in budgets(info["arms"], extra, root).items():
+        next(a for a in info["arms"] if a["name"] == arm)["budget"] = b
+    return info
+
+
+def budget_table(arms) -> str:
+    """Each arm's parameters, steps, tokens and training FLOPs (`summary.budget`), against its
+    size's reference (Dense Standard): what the grid matches, before anything trains."""
+    rows = [("arm", "budget", "params", "steps", "tokens", "tokens/param", "train FLOPs", "FLOPs/reference")]
+    for a in arms:
+        b = a["budget"]
+        rows.append((a["name"], b["budget"], f"{b['params']:,}", f"{b['steps']:,}", f"{b['tokens']:,}",
+                     f"{b['tokens_per_param']:.2f}", f"{b['flops']:.4e}", f"{b['flops'] / b['reference_flops']:.4f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
 
 
 def run_dir(workdir: str, arm: str, seed: int) -> str:
@@ -205,7 +245,10 @@ def _main(fv, extra):
     if stray:
         raise cli.UsageError(f"unexpected arguments {stray}; flags for train.py go after `--`")
     root = repo_root()
-    info = grid_info(fv.grid, fv.size, root)
+    try:
+        info = grid_info(fv.grid, fv.size, root, extra)
+    except (ValueError, flags.Error) as err:
+        raise cli.UsageError(str(err).splitlines()[0]) from None
     workdir = paths.absolute(fv.workdir)
     arms = info["arms"]
     if fv.arms:
@@ -215,6 +258,7 @@ def _main(fv, extra):
                                  f"({', '.join(a['name'] for a in arms)})")
         arms = [a for a in arms if a["name"] in fv.arms]
     if fv.dry_run:
+        print("# " + budget_table(arms).replace("\n", "\n# "))
         for arm in arms:
             for seed in seeds:
                 print(command_line(arm, seed, workdir, extra, root, fv.python))

@@ -168,22 +168,27 @@ class Model(nnx.Module):
         h, x0 = self.hidden(tokens)
         return self.head.log_probs(h, x0)
 
-    def target_log_probs(self, tokens, targets, table: str | None = None, layout=None):
+    def target_log_probs(self, tokens, targets, ablation: str | None = None, layout=None):
         """fp32 log p(targets) [B, T]; the training loss is its negative mean. `layout`
         (`sharding.loss_layout(mesh)`) shards the fused loss over the mesh.
 
-        `table` names one of the head's `ablations` (twin: "a", "b"): that table at both
-        input and output, no gate (SPEC §2)."""
-        if table is None:
+        `ablation` names one of the head's `ablations` (`heads.ABLATION_KINDS`): "a_only" reads
+        and predicts with table A alone, no gate (SPEC §2); "a_in" feeds A[x] to the body under
+        the model's own output; "a_out" predicts with A alone from the model's own input rows."""
+        if ablation is None:
             h, x0 = self.hidden(tokens)
             return self.head.target_log_probs(h, x0, targets, layout)
-        if table not in self.head.ablations:
+        if ablation not in self.head.ablations:
             raise ValueError(
-                f"one-table ablation {table!r}: head {type(self.head).__name__} has "
-                f"{self.head.ablations or 'none'}"
+                f"table ablation {ablation!r}: head {type(self.head).__name__} has "
+                f"{', '.join(self.head.ablations) or 'none'}"
             )
+        table, kind = heads_lib.ablation_parts(ablation)
         E = self.head.ablation_table(table)
-        h, _ = self.hidden(tokens, x0=jnp.take(E, tokens, axis=0))
+        own = None if kind == "only" else self.head.embed(tokens)  # the model's input rows (its gate's)
+        h, _ = self.hidden(tokens, x0=own if kind == "out" else jnp.take(E, tokens, axis=0))
+        if kind == "in":
+            return self.head.target_log_probs(h, own, targets, layout)
         return heads_lib.table_target_log_probs(h, (E,), targets, None, self.head.loss, self.head.chunk, layout,
                                                 self.head.token_tile)
 

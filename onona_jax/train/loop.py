@@ -319,9 +319,9 @@ def check_schedule(saved, run, step: int, workdir: str):
     was, i.e. while the decay has begun under neither budget. The schedules themselves are
     compared (`optimizer.first_changed_step`), so this rule follows `optimizer.wsd`."""
     from onona_jax.train import optimizer
-    from onona_jax.train.state import dense_standard_params
+    from onona_jax import summary
 
-    planned = optimizer.total_steps(saved, dense_standard_params(saved))  # train.steps=0: derived
+    planned = summary.budget(saved)["steps"]  # train.steps=0 or another budget: derived
     if planned == run.steps:
         return
     before = optimizer.schedule(saved, planned)

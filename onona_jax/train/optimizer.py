@@ -1,4 +1,4 @@
-"""AdamW with the warmup–stable–decay schedule of SPEC §4, and the step budget."""
+"""AdamW with the warmup–stable–decay schedule of SPEC §4 (the step budget: `summary.budget`)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,6 @@ def wsd(peak: float, final: float, warmup: int, total: int, decay_fraction: floa
         return jnp.where(step < decay_start, warm, jnp.minimum(warm, decayed))
 
     return schedule
-
-
-def total_steps(cfg, dense_standard_params: int) -> int:
-    """train.steps, or tokens_per_param × (Dense Standard parameters) rounded up to whole steps."""
-    if cfg.train.steps > 0:
-        return int(cfg.train.steps)
-    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    return math.ceil(cfg.train.tokens_per_param * dense_standard_params / tokens_per_step)
 
 
 def decay_mask(logical_axes) -> dict:

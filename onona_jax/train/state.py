@@ -21,13 +21,6 @@ from onona_jax.params import init_params, logical_axes
 from onona_jax.train import optimizer
 
 
-def dense_standard_params(cfg) -> int:
-    """Parameter count of the Dense Standard model of this size: the token budget's base."""
-    m = ml_collections.ConfigDict(cfg.model.to_dict())
-    m.arch, m.head = "dense", "standard"
-    return summary.param_counts(m)["total"]
-
-
 # ----------------------------------------------------------------------------- setup
 
 
@@ -80,7 +73,7 @@ def setup(cfg, devices=None) -> Run:
         )
     accum = t.global_batch // (micro * dp)
 
-    steps = optimizer.total_steps(cfg, dense_standard_params(cfg))
+    steps = summary.budget(cfg)["steps"]
     if steps <= 0:
         raise ValueError(f"train.steps resolves to {steps}; it must be positive")
     tx, schedule = optimizer.make_optimizer(cfg, steps, logical)
