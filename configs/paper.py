@@ -18,6 +18,7 @@ from onona_jax.config import ARCHS, HEADS, base_config, ffn_width, validate
 #            d_model  layers  heads  kv_heads  head_dim  d_ff
 SIZES = {
     "tiny": (64, 2, 4, 2, 16, 0),
+    "micro": (128, 2, 4, 2, 32, 0),  # the CPU replication (docs/RESULTS.md), with a small BPE
     "small": (128, 4, 4, 2, 32, 0),
     "142m": (768, 16, 12, 6, 64, 0),
     "330m": (1024, 24, 16, 8, 64, 0),
@@ -32,6 +33,7 @@ SIZES = {
 TRAIN = {
     "tiny": (8, 0, 32, 50, 5, 25, 16, 25),  # micro_batch 0: the whole batch per replica
     "small": (8, 0, 128, 200, 20, 100, 64, 100),
+    "micro": (32, 0, 128, 0, 100, 500, 128, 500),  # steps 0: 20 tokens per Dense Standard parameter (TPP)
     "142m": (256, 16, 1024, 0, 1000, 500, 1024, 1000),
     "330m": (256, 16, 1024, 0, 1000, 500, 1024, 1000),
     "1b": (512, 8, 1024, 78_800, 1000, 500, 1024, 1000),  # the paper ran 78,800 steps (≈40.07 TPP)
@@ -102,7 +104,9 @@ def get_config(arg: str = "dense-small-twin"):
     c.model.gdn.head_dim_k = c.model.gdn.head_dim_v = min(128, d)
     if arch == "gdn":  # whole 3 GDN : 1 attention groups
         c.model.n_layers = 4 * -(-layers // 4)
-    if size in ("tiny", "small"):
+    if size == "micro":  # ≥ 20 TPP: 6 runs in ≤ 2 h on 2 CPU cores at a ~1k-entry BPE (docs/RESULTS.md)
+        c.train.tokens_per_param = 20.0
+    if size in ("tiny", "small", "micro"):
         c.model.dtype = "float32"  # CPU: bf16 matmuls are emulated and slower
         c.train.lr = 3e-3
         c.train.final_lr = 3e-4
@@ -154,6 +158,13 @@ def _cells(*cells):
 
 
 GRIDS = {
+    "headline": dict(
+        doc="onóna vs Standard (Dense): the paper's headline pair; at --size=micro with a BPE of the corpus, "
+            "the CPU replication (python -m onona_jax.experiments.replicate, docs/RESULTS.md)",
+        archs=("dense",), sizes=("142m",),
+        cells=_cells(("standard", "standard"), ("twin", "twin")),
+        baseline=("standard",),
+    ),
     "table1": dict(
         doc="Table 1 / Figure 1(b): onóna vs Standard for every family at 142M and 330M",
         archs=("dense", "gdn", "moe", "attnres"), sizes=("142m", "330m"),

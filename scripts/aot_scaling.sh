@@ -41,6 +41,20 @@ for row in $rows; do
     # two v5p-128 slices joined by DCN (mesh.slices=2: fsdp over each slice's 64 chips, data across
     # the 2 slices) at the v5p-256 row's plan (4 × 1, remat none); compare with dense-1b
     dense-1b-2slices) aot dense-1b-2x-v5p-128 --config=configs/paper.py:dense-1b-twin --topology=v5p-128 --slices=2 $FSDP --compare_head=standard --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
+    # Longer contexts (issue 38, the paper's open question): <spec>@<seq_len> keeps the paper's batch in
+    # tokens (4,096: 64 windows a step; 8,192: 32), splash; --fit from the whole per-replica batch.
+    dense-142m-ctx4096|dense-142m-ctx8192)
+      aot ${row}-v5e-16 --config=configs/paper.py:dense-142m-twin@${row#dense-142m-ctx} --topology=v5e-16 $FSDP \
+        --compare_head=standard --config.train.micro_batch=0 --fit --noeval_step ;;
+    dense-330m-ctx4096|dense-330m-ctx8192)
+      aot ${row}-v5p-64 --config=configs/paper.py:dense-330m-twin@${row#dense-330m-ctx} --topology=v5p-64 $FSDP \
+        --compare_head=standard --config.train.micro_batch=0 --fit --noeval_step ;;
+    dense-1b-ctx4096) aot ${row}-v5p-256 --config=configs/paper.py:dense-1b-twin@4096 --topology=v5p-256 $FSDP \
+        --compare_head=standard --config.train.micro_batch=0 --fit --noeval_step ;;
+    # 64 windows of 8,192 over 128 chips: half a window each under pure FSDP, so 2-way tensor parallel
+    dense-1b-ctx8192) aot ${row}-v5p-256 --config=configs/paper.py:dense-1b-twin@8192 --topology=v5p-256 \
+        --config.mesh.data=1 --config.mesh.fsdp=-1 --config.mesh.tensor=2 --compare_head=standard \
+        --config.train.micro_batch=0 --fit --noeval_step ;;
     # MoE dispatch and expert parallelism (issue 26) at the replicated layout's --fit plans, twin only:
     # sort / grouped with experts replicated over the expert axis (fsdp everywhere), and grouped with
     # an 8-way expert axis; dense-142m-at16 / dense-1b-at4 are the Dense rows at the same plans.

@@ -102,6 +102,31 @@ def test_matched_grid_dry_run_shows_every_arms_budget(tmp_path, capsys):
         / summary.flops_per_token(load("dense-330m-twin").model, 1024)["train"])
 
 
+@pytest.mark.parametrize("grid,arms", [
+    ("init_scale", {"standard": ("dense-142m-standard", 1.0), "standard-at-m-scale": ("dense-142m-standard", 0.5 ** 0.5),
+                    "twin": ("dense-142m-twin", 1.0), "twin-at-e-scale": ("dense-142m-twin", 2 ** 0.5)}),
+    ("context", {"standard": ("dense-142m-standard", 1024), "twin": ("dense-142m-twin", 1024),
+                 "standard-4x": ("dense-142m-standard@4x", 4096), "twin-4x": ("dense-142m-twin@4x", 4096)}),
+])
+def test_init_scale_and_context_grids_dry_run(grid, arms, tmp_path, capsys):
+    """Their arms, each arm's init scale or context, and the paper's 21,740 steps of 262,144 tokens
+    for every arm (the context grid keeps the batch in tokens)."""
+    info = sweep.grid_info(grid, None, REPO)
+    assert [a["name"] for a in info["arms"]] == list(arms)
+    for a in info["arms"]:
+        spec, value = arms[a["name"]]
+        cfg = load(a["spec"], **a["overrides"])
+        assert a["spec"] == spec
+        assert (cfg.model.table_init_scale if grid == "init_scale" else cfg.data.seq_len) == pytest.approx(value)
+        assert a["budget"]["steps"] == 21_740 and a["budget"]["tokens"] == 21_740 * TOKENS_PER_STEP
+    if grid == "context":
+        assert info["interaction"] == dict(baseline="standard", input="standard-4x", output="twin", both="twin-4x")
+        assert {a["group"] for a in info["arms"]} == {"dense-142m-1x", "dense-142m-4x"}
+    assert sweep.main([f"--grid={grid}", f"--workdir={tmp_path / 'g'}", "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert sum(" 21,740 " in line for line in out.splitlines() if line.startswith("# ")) == 4
+
+
 def test_sweep_flags_reach_the_matched_rule():
     """A `--` flag that changes the vocabulary changes the twin arm's size, and the matched
     Standard follows it (it is built from the arm's own command line)."""
@@ -269,3 +294,71 @@ def test_report_states_budgets_and_data_passes(tmp_path):
         assert b["passes"] == [pytest.approx(b["tokens"] / pool)]
         line = next(x for x in md.split("## Budgets")[1].splitlines() if x.startswith(f"| {arm['name']} |"))
         assert f"| {b['steps']:,} | {b['tokens']:,} |" in line and f"| {b['tokens'] / pool:.3f} |" in line
+
+
+def test_a_long_context_export_loads_in_transformers_with_its_rope(tmp_path):
+    """A twin model at 2,048 tokens and RoPE base 500,000: the export's config carries both
+    (max_position_embeddings, rope_theta) and transformers' log-probabilities over 1,500 tokens —
+    past the 1,024 every paper config uses, where a wrong base or table length would show —
+    equal ours to 1e-4 (fp32, two implementations: test_hf_export's tolerance)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from onona_jax.serve import hf_format
+
+    cfg = load("dense-tiny-twin", **{"model.rope_theta": 500_000.0, "data.seq_len": 2048})
+    assert cfg.data.seq_len == 2048
+    _, params = models.init(cfg.model, 0)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(np.float32), params)
+    out = str(tmp_path / "export")
+    hf_format.export(params, cfg, out)
+    written = json.load(open(os.path.join(out, "config.json")))
+    assert written["max_position_embeddings"] == 2048
+    assert written["rope_parameters"]["rope_theta"] == 500_000.0
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    tokens = rng.integers(0, 50_257, (1, 1500))
+    ours = np.asarray(models.bind(models.abstract(cfg.model)[0], params)(tokens))
+    with torch.no_grad():
+        theirs = torch.log_softmax(hf(torch.from_numpy(tokens)).logits.float(), -1).numpy()
+    np.testing.assert_allclose(theirs[0, 1024:], ours[0, 1024:], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- the CPU replication
+
+
+@pytest.mark.slow  # 4 tiny runs through train.py and eval.py, two gate analyses (~3 min); the grid's
+# budgets, the report and the BPE's prepare are each covered by default tests
+def test_replicate_runs_the_pair_end_to_end(tmp_path, capsys):
+    """`experiments.replicate` on a text of the user's (one flag): prepare with a BPE trained on
+    it, the headline pair over two seeds, the report's paired Δ from the runs' own eval files,
+    each twin run's gate analysis, and the stages' times; a rerun reuses the data and refuses a
+    different --entries."""
+    import lzma
+
+    from onona_jax.experiments import replicate
+    from onona_jax.tokenizer import bundled_corpus_path
+
+    text = tmp_path / "corpus.txt"
+    with lzma.open(bundled_corpus_path(), "rt") as f:
+        text.write_text(f.read(400_000))
+    w = tmp_path / "rep"
+    args = [f"--workdir={w}", f"--text={text}", "--entries=512", "--size=tiny", "--seeds=0,1"]
+    assert replicate.main(args) == 0
+    manifest = json.loads((w / "data" / "manifest.json").read_text())
+    assert manifest["tokenizer"]["trained"]["entries"] == 512
+    rep = json.loads((w / "sweep" / "report.json").read_text())
+    twin = next(a for a in rep["arms"] if a["name"] == "twin")
+    losses = {arm: {s: json.loads((w / "sweep" / arm / f"seed{s}" / "eval" / "step_50.json").read_text())
+                    for s in (0, 1)} for arm in ("standard", "twin")}
+    for s in (0, 1):
+        assert twin["delta"]["per_seed"][str(s)] == pytest.approx(
+            losses["twin"][s]["val_loss"] - losses["standard"][s]["val_loss"])
+        assert "val_loss_a_out" in losses["twin"][s] and "val_loss_a_out" not in losses["standard"][s]
+        assert (w / "sweep" / "twin" / f"seed{s}" / "analysis" / "gate_step_50.md").exists()
+    record = json.loads((w / "replicate.json").read_text())
+    assert set(record["runs_s"]) == {f"{a}/seed{s}" for a in ("standard", "twin") for s in (0, 1)}
+    assert record["machine_before"]["cores"] == os.cpu_count()
+    assert twin["budget"]["passes"] and "Δ twin − standard" in capsys.readouterr().out
+    assert replicate.main(args[:2] + ["--entries=256"] + args[3:]) == 2  # another tokenizer: another workdir

@@ -3,11 +3,22 @@
     python -m onona_jax.data.prepare --input PATH [PATH ...] --output DIR [--tokenizer gpt2] \
         [--heldout_fraction 0.02] [--shard_tokens 50_000_000] [--seed 0] [--overwrite] \
         [--text_column text] [--tokens_column COL] [--workers N] [--max_tokens N] [--block_bytes 65536] \
-        [--eot TOKEN] [--special_tokens T=ID,...] [--tokenizer_pattern NAME|REGEX]
+        [--eot TOKEN] [--special_tokens T=ID,...] [--tokenizer_pattern NAME|REGEX] [--train_tokenizer N]
 
 `--tokenizer` (and its companions) takes what the config's `data.tokenizer` (`data.eot`, ...) takes
 (onona_jax/tokenizer.py): gpt2 (the default), a tiktoken rank file, a Hugging Face tokenizer.json
 or a folder holding one; a run refuses data prepared with another tokenizer than its own.
+
+`--train_tokenizer N` (needs `tokenizers`: pip install -e '.[hf-tokenizer]') first trains a GPT-2-style
+byte-level BPE of exactly N entries (id 0 <|endoftext|>, the 256 bytes, N - 257 merges of pairs seen
+at least twice; 258 <= N <= 262,144, uint16 shards up to 65,536) on the training split's documents
+only (the held-out ones never reach it; all of them, also past `--max_tokens`, which counts its
+tokens), deterministically, writes it as DIR/tokenizer.json (a bucket's: uploaded beside the shards)
+and tokenises with it exactly as `--tokenizer=DIR/tokenizer.json` would; the manifest records it so,
+plus how it was trained (`tokenizer.trained`). It excludes --tokenizer and --tokens_column. Train on
+it with --config.data.dir=DIR --config.data.tokenizer=DIR/tokenizer.json (docs/DATA.md):
+
+    python -m onona_jax.data.prepare --input onona_jax/assets/austen.txt.xz --output /tmp/bpe2k --train_tokenizer=2048
 
 Inputs (see onona_jax/data/sources.py): `.txt` files (documents separated by blank lines),
 `.jsonl` files (one document per line, in its `--text_column` field), both optionally
@@ -26,6 +37,7 @@ when complete.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import gc
 import hashlib
@@ -325,6 +337,131 @@ def tokenizer_record(tok: tokenizer_lib.Tokenizer, tok_args: TokArgs) -> dict:
     return {**tok.identity(), "config": config}
 
 
+# --train_tokenizer: a byte-level BPE of N entries, <|endoftext|> (id 0) and the 256 bytes first, so
+# at least one merge; the top only catches a typo (the largest published vocabularies have ~200k).
+# Up to 65,536 entries the shards are uint16, past that uint32.
+TRAINED_ENTRIES = (258, 1 << 18)
+# A pair seen once in the whole training split is a name or a typo, not worth an entry (GPT-2's recipe).
+TRAINED_MIN_FREQUENCY = 2
+TRAINED_FILE = "tokenizer.json"
+
+
+def check_train_tokenizer(entries: int, tok_args: TokArgs, tokens_column: str | None) -> None:
+    """--train_tokenizer's usage errors, before anything is read or written."""
+    lo, hi = TRAINED_ENTRIES
+    if not lo <= entries <= hi:
+        raise ValueError(f"--train_tokenizer={entries}: give the entries of the BPE to train, {lo} to {hi:,} "
+                         "(<|endoftext|> and the 256 bytes count; up to 65,536 fit uint16 shards), or 0 for none")
+    if tok_args[0] != tokenizer_lib.DEFAULT:
+        raise ValueError(f"--train_tokenizer={entries} and --tokenizer={tok_args[0]} both name the tokenizer to "
+                         "write with; give one")
+    given = [f"--{k}={v}" for k, v in zip(("eot", "tokenizer_pattern", "special_tokens"), tok_args[1:]) if v]
+    if given:
+        raise ValueError(f"{', '.join(given)}: settings of a given tokenizer; the one --train_tokenizer trains has "
+                         f"its own, {tokenizer_lib.ENDOFTEXT} ending each document (leave them out)")
+    if tokens_column is not None:
+        raise ValueError(f"--train_tokenizer={entries} trains on text, but --tokens_column={tokens_column} reads "
+                         "token ids of an existing tokenizer; give one")
+    _bpe_library()
+
+
+def _bpe_library():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError("--train_tokenizer needs the `tokenizers` package (an optional dependency): "
+                         "pip install -e '.[hf-tokenizer]'") from None
+    return tokenizers
+
+
+def _split_texts(sources, text_column: str, held: Callable[[int], bool], seen: dict) -> Iterator[str]:
+    """The texts of the documents `held(index)` does not hold out, in input order; counts into `seen`
+    every document ("total"), the training ones ("documents") and their UTF-8 "bytes"."""
+    for src in sources:
+        for text in iter_documents(src, text_column):
+            i = seen["total"]
+            seen["total"] += 1
+            if not held(i):
+                seen["documents"] += 1
+                seen["bytes"] += len(text.encode("utf-8"))
+                yield text
+
+
+def _train_bpe(entries: int, texts: Iterator[str]) -> tuple[str, int]:
+    """(tokenizer.json text, entries learned) of GPT-2's recipe: its regex split and byte alphabet.
+    The library's result depends on the pair counts only (ties broken by the pair), not on its
+    threads or the order of `texts`: the same documents give the same bytes."""
+    tokenizers = _bpe_library()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=entries, min_frequency=TRAINED_MIN_FREQUENCY,
+                                  special_tokens=[tokenizer_lib.ENDOFTEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok.to_str(pretty=True), tok.get_vocab_size(with_added_tokens=True)
+
+
+def train_tokenizer_on(sources, text_column: str, entries: int, heldout_fraction: float, seed: int
+                       ) -> tuple[str, dict, np.ndarray | None]:
+    """A BPE of `entries` entries trained on the documents `_write_splits` will send to the train
+    split: (its tokenizer.json text, the manifest's record of the training, the held-out mask the
+    writes must use, or None for the hash split). On a tiny corpus whose hashes send every document
+    one way, the count-aware mask over all the inputs' documents decides instead (trained again)."""
+    seen = dict(total=0, documents=0, bytes=0)
+    text, learned = _train_bpe(entries, _split_texts(sources, text_column,
+                                                     lambda i: _doc_hash(seed, i) < heldout_fraction, seen))
+    total, mask = seen["total"], None
+    if total == 0:
+        raise _no_documents(sources)
+    if heldout_fraction > 0 and total >= 2 and seen["documents"] in (0, total):
+        mask = heldout_mask(total, heldout_fraction, seed)
+        seen = dict(total=0, documents=0, bytes=0)
+        text, learned = _train_bpe(entries, _split_texts(sources, text_column, lambda i: bool(mask[i]), seen))
+    if seen["documents"] == 0:
+        raise _empty_split("train", total, None)
+    if learned != entries:
+        fix = (f"choose --train_tokenizer={learned} or fewer" if learned >= TRAINED_ENTRIES[0]
+               else "give more text")
+        raise ValueError(f"--train_tokenizer={entries}: the training split ({seen['documents']:,} documents, "
+                         f"{seen['bytes']:,} bytes) has pairs seen at least {TRAINED_MIN_FREQUENCY} times for only "
+                         f"{learned:,} entries; {fix}")
+    tokenizers = _bpe_library()
+    record = {"entries": entries, "documents": seen["documents"], "bytes": seen["bytes"],
+              "min_frequency": TRAINED_MIN_FREQUENCY, "library": f"tokenizers {tokenizers.__version__}"}
+    return text, record, mask
+
+
+def _write_trained(tmp: Path, text: str) -> TokArgs:
+    """Write the trained tokenizer into the staging dir; returns the tokenizer.load arguments the
+    workers load it from. The file is named by its content until the end: `load` caches by path, and
+    an earlier prepare of the same output in this process had the same staging dir."""
+    path = tmp / f"tokenizer-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    path.write_text(text, encoding="utf-8")
+    return (str(path), "", "", "")
+
+
+def _trained_record(tok: tokenizer_lib.Tokenizer, out: Path, trained: dict) -> dict:
+    """The manifest's record of the trained tokenizer, once moved to `out/tokenizer.json`: what loading
+    that file gives (its path and name there, not the staging dir's), and how it was trained."""
+    final = os.path.join(os.path.abspath(out), TRAINED_FILE)
+    named = dataclasses.replace(tok, spec=final, name=os.path.basename(os.path.abspath(out)))
+    return {**tokenizer_record(named, (final, "", "", "")), "trained": trained}
+
+
+def _no_documents(sources) -> ValueError:
+    return ValueError(f"no documents found in {', '.join(str(s.path) for s in sources)} (empty or "
+                      "whitespace-only text); check the --input files")
+
+
+def _empty_split(empty: str, num_docs: int, max_tokens: int | None) -> ValueError:
+    return ValueError(f"the {empty} split would be empty: the inputs hold only {num_docs} document(s)"
+                      f"{' within --max_tokens' if max_tokens else ''}; give at least 2 documents, "
+                      "or --heldout_fraction 0 for no held-out split")
+
+
 def prepare(
     inputs: list[str],
     output: str,
@@ -342,28 +479,36 @@ def prepare(
     eot: str = "",
     tokenizer_pattern: str = "",
     special_tokens: str = "",
+    train_tokenizer: int = 0,
 ) -> dict:
     """Tokenise `inputs` into shards under `output`; returns the manifest (also written as manifest.json).
     `output` may be a bucket URL (gs://...): see `_prepare_to_bucket`. `tokenizer` and its companions:
-    what data.tokenizer, data.eot, data.tokenizer_pattern and data.special_tokens take."""
-    check_apart(inputs, output)
+    what data.tokenizer, data.eot, data.tokenizer_pattern and data.special_tokens take; or
+    `train_tokenizer`: the entries of a BPE to train on the train split and write with (module docstring)."""
     tok_args: TokArgs = (tokenizer or tokenizer_lib.DEFAULT, eot or "", tokenizer_pattern or "", special_tokens or "")
-    tok = load_tokenizer(tok_args)
+    if train_tokenizer:
+        check_train_tokenizer(train_tokenizer, tok_args, tokens_column)
+    check_apart(inputs, output)
+    # A trained tokenizer exists only later: until then, its shard dtype stands for it.
+    tok = None if train_tokenizer else load_tokenizer(tok_args)
     if paths.is_cloud(output):
         return _prepare_to_bucket(inputs, output, heldout_fraction, shard_tokens, seed, overwrite=overwrite,
                                   text_column=text_column, tokens_column=tokens_column, workers=workers,
                                   max_tokens=max_tokens, block_bytes=block_bytes, tokenizer=tok_args[0],
-                                  eot=tok_args[1], tokenizer_pattern=tok_args[2], special_tokens=tok_args[3])
+                                  eot=tok_args[1], tokenizer_pattern=tok_args[2], special_tokens=tok_args[3],
+                                  train_tokenizer=train_tokenizer)
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    width = tok.dtype.itemsize
+    dtype = tok.dtype if tok else np.dtype(np.uint16 if train_tokenizer <= 1 << 16 else np.uint32)
+    width = dtype.itemsize
     if block_bytes < width or block_bytes % width:
         raise ValueError(f"block_bytes must be a positive {'even number' if width == 2 else f'multiple of {width}'} "
-                         f"(whole {tok.dtype.name} tokens of {tok.name}), got {block_bytes}")
+                         f"(whole {dtype.name} tokens of {tok.name if tok else 'the trained tokenizer'}), "
+                         f"got {block_bytes}")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if not text_column or tokens_column == "":
@@ -381,18 +526,26 @@ def prepare(
     # and the partial output is removed.)
     for src in sources:
         next(iter_documents(src, text_column, tokens_column, tok), None)
+    if train_tokenizer:  # in memory, before anything is written: a corpus too small for it writes nothing
+        trained_json, trained, trained_mask = train_tokenizer_on(sources, text_column, train_tokenizer,
+                                                                 heldout_fraction, seed)
 
     tmp, lock_fd = staging.new(out)
     try:
+        if train_tokenizer:
+            tok_args = _write_trained(tmp, trained_json)
+            tok = load_tokenizer(tok_args)
         args = (shard_tokens, text_column, tokens_column, workers, max_tokens, block_bytes, tok_args)
         def hashed(a: int, b: int) -> np.ndarray:
             return np.fromiter((_doc_hash(seed, i) for i in range(a, b)), np.float64, b - a) < heldout_fraction
 
-        writers, docs_per_split, num_docs = _write_splits(tmp, sources, hashed, *args)
+        # A trained tokenizer's split is the one it was trained on, decided over all the inputs' documents
+        # (before --max_tokens, which counts its tokens), so the redo below must not move a document.
+        split = hashed if not train_tokenizer or trained_mask is None else lambda a, b: trained_mask[a:b]
+        writers, docs_per_split, num_docs = _write_splits(tmp, sources, split, *args)
         if num_docs == 0:
-            raise ValueError(f"no documents found in {', '.join(str(s.path) for s in sources)} (empty or "
-                             "whitespace-only text); check the --input files")
-        if heldout_fraction > 0 and num_docs >= 2 and 0 in docs_per_split.values():
+            raise _no_documents(sources)
+        if not train_tokenizer and heldout_fraction > 0 and num_docs >= 2 and 0 in docs_per_split.values():
             # A tiny corpus whose hashes sent every document one way: redo it with the count-aware mask,
             # which keeps both splits non-empty (the same output prepare has always made).
             for f in tmp.glob("*.bin"):
@@ -400,14 +553,16 @@ def prepare(
             mask = heldout_mask(num_docs, heldout_fraction, seed)
             writers, docs_per_split, num_docs = _write_splits(tmp, sources, lambda a, b: mask[a:b], *args)
         if heldout_fraction > 0 and 0 in docs_per_split.values():
-            empty = "held-out" if docs_per_split["heldout"] == 0 else "train"
-            raise ValueError(f"the {empty} split would be empty: the inputs hold only {num_docs} document(s)"
-                             f"{' within --max_tokens' if max_tokens else ''}; give at least 2 documents, "
-                             "or --heldout_fraction 0 for no held-out split")
+            raise _empty_split("held-out" if docs_per_split["heldout"] == 0 else "train", num_docs, max_tokens)
+        if train_tokenizer:
+            Path(tok_args[0]).rename(tmp / TRAINED_FILE)
+            record = _trained_record(tok, out, trained)
+        else:
+            record = tokenizer_record(tok, tok_args)
 
         manifest = {
             "format_version": FORMAT_VERSION,
-            "tokenizer": tokenizer_record(tok, tok_args),
+            "tokenizer": record,
             "eot": tok.eot,
             "vocab": tok.n_vocab,
             "dtype": tok.dtype.name,
@@ -458,15 +613,22 @@ def _prepare_to_bucket(inputs, output: str, *args, overwrite: bool, **kwargs) ->
     """Prepare into a local temporary directory, then upload the shards and, last, manifest.json.
     Readers (train.py, the data cache) accept a data dir only through its manifest, so an upload
     cut short is never taken for a dataset; a rerun uploads again. With --overwrite the old
-    manifest is deleted first, so that no reader mixes old and new shards meanwhile."""
+    manifest is deleted first, so that no reader mixes old and new shards meanwhile. A trained
+    tokenizer is uploaded beside the shards, and the manifest records it at its URL (a run reads
+    it from a local copy: `gcloud storage cp URL .`)."""
     manifest_url = paths.join(output, "manifest.json")
     if paths.exists(manifest_url) and not overwrite:
         raise ValueError(f"output {output} already holds prepared data; choose another --output or pass --overwrite")
     local = Path(tempfile.mkdtemp(prefix="onona-prepare-")) / "data"
     try:
         manifest = prepare(inputs, str(local), *args, overwrite=False, **kwargs)
+        trained = (local / TRAINED_FILE).is_file()
+        if trained:  # named where it will be, not in the local temp dir
+            manifest["tokenizer"]["config"]["tokenizer"] = paths.join(output, TRAINED_FILE)
+            manifest["tokenizer"]["name"] = output.rstrip("/").rsplit("/", 1)[-1]
+            (local / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         paths.remove(manifest_url)
-        for f in sorted(local.glob("*.bin")):
+        for f in sorted(local.glob("*.bin")) + ([local / TRAINED_FILE] if trained else []):
             paths.upload(f, paths.join(output, f.name))
         paths.upload(local / "manifest.json", manifest_url)
     finally:
@@ -505,6 +667,10 @@ def define(fv, argv):
     flags.DEFINE_integer("workers", _cpus(), "tokenising processes (default: CPUs available)", flag_values=fv)
     flags.DEFINE_string("max_tokens", None, "stop after this many tokens (whole documents, in input order)",
                         flag_values=fv)
+    flags.DEFINE_string("train_tokenizer", "0", "train a byte-level BPE of this many entries (258 to 262,144, "
+                        "<|endoftext|> and the 256 bytes included; uint16 shards up to 65,536, else uint32) on the "
+                        "train split, write it as OUTPUT/tokenizer.json and tokenise with it; 0: off. Needs "
+                        "`tokenizers` (pip install -e '.[hf-tokenizer]')", flag_values=fv)
     flags.DEFINE_string("block_bytes", str(BLOCK_BYTES), "bytes per hashed block, what a streaming reader of a "
                         "bucket fetches and verifies at once (whole tokens; small next to a window's bytes)",
                         flag_values=fv)
@@ -521,12 +687,18 @@ def _main(fv, paths):
     except ValueError:
         raise cli.UsageError(f"--shard_tokens={fv.shard_tokens} / --max_tokens={fv.max_tokens} / --block_bytes="
                              f"{fv.block_bytes}: integers (underscores allowed)") from None
+    try:
+        train_tokenizer = _count(fv.train_tokenizer)
+    except ValueError:
+        raise cli.UsageError(f"--train_tokenizer={fv.train_tokenizer}: the entries of the BPE to train, an integer "
+                             "(underscores allowed), e.g. 2048; 0 for none") from None
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         m = prepare(inputs, fv.output, fv.heldout_fraction, shard_tokens, fv.seed, fv.overwrite,
                     text_column=fv.text_column, tokens_column=fv.tokens_column, workers=fv.workers,
                     max_tokens=max_tokens, block_bytes=block_bytes, tokenizer=fv.tokenizer, eot=fv.eot,
-                    tokenizer_pattern=fv.tokenizer_pattern, special_tokens=fv.special_tokens)
+                    tokenizer_pattern=fv.tokenizer_pattern, special_tokens=fv.special_tokens,
+                    train_tokenizer=train_tokenizer)
     except OSError as e:
         hint = "free space or choose another --output" if e.errno == errno.ENOSPC else "check the --output path"
         raise cli.Failure(f"cannot write {fv.output} ({e}); {hint}; nothing was written") from None
@@ -537,6 +709,11 @@ def _main(fv, paths):
     for s in SPLITS:
         sp = m["splits"][s]
         print(f"{s}: {sp['documents']:,} documents, {sp['tokens']:,} tokens in {len(sp['shards'])} shard(s)")
+    if "trained" in m["tokenizer"]:
+        t, where = m["tokenizer"]["trained"], m["tokenizer"]["config"]["tokenizer"]
+        local = f"<a local copy of {where}>" if "://" in where else where  # a tokenizer is read from local files
+        print(f"trained {where}: {t['entries']:,} entries on {t['documents']:,} train documents ({t['bytes']:,} "
+              f"bytes); train with --config.data.dir={fv.output} --config.data.tokenizer={local}")
     print(f"wrote {fv.output}/manifest.json ({m['dtype']} tokens of {m['tokenizer']['name']})")
 
 
