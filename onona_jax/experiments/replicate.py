@@ -84,6 +84,9 @@ def define(fv, argv):
 def _main(fv, extra):
     from onona_jax.experiments import report, sweep
 
+    if paths.is_cloud(fv.workdir):  # the BPE it trains is data.tokenizer, which is read from a local file
+        raise cli.UsageError(f"--workdir={fv.workdir}: a local directory (the tokenizer it trains is read from a "
+                             "local file); copy the results to the bucket afterwards")
     workdir = paths.absolute(fv.workdir)
     timings, t0 = {}, time.time()
     before = machine()
