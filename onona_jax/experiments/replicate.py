@@ -111,7 +111,7 @@ def _main(fv, extra):
                            stdout=subprocess.DEVNULL)
     timings["gate_s"] = round(time.time() - t, 1)
     status = json.loads(paths.read_text(paths.Sweepdir(sweep_dir).status))
-    record = dict(command=" ".join([os.path.basename(sys.argv[0]) or "replicate", *sys.argv[1:]]),
+    record = dict(command=" ".join(["python -m onona_jax.experiments.replicate", *sys.argv[1:]]),
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine_before=before,
                   machine_after=machine(), timings=timings,
                   runs_s={k: v.get("duration_s") for k, v in status.items()},
