@@ -109,8 +109,8 @@ def write_eval(d, arm, seed, step, val_loss, **extra):
     return path
 
 
-def table(md, section="## Validation loss"):
-    """{arm: {column: cell}} from a markdown table under the section heading."""
+def table(md, section="## Validation loss", key=None):
+    """{arm: {column: cell}} from a markdown table under the section heading (`key(cells)`: another key)."""
     lines = md.split(section, 1)[1].strip().splitlines()
     lines = lines[next(i for i, x in enumerate(lines) if x.startswith("|")):]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
@@ -119,22 +119,14 @@ def table(md, section="## Validation loss"):
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[1] if "arm" in header[1:2] else cells[0]] = dict(zip(header, cells))
+        k = key(cells) if key else cells[1] if "arm" in header[1:2] else cells[0]
+        rows[k] = dict(zip(header, cells))
     return rows
 
 
 def ablation_rows(md):
     """{(arm, ablation): {column: cell}} of the report's table ablations."""
-    lines = md.split("## Table ablations", 1)[1].strip().splitlines()
-    lines = lines[next(i for i, x in enumerate(lines) if x.startswith("|")):]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = {}
-    for line in lines[2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0], cells[1]] = dict(zip(header, cells))
-    return rows
+    return table(md, "## Table ablations", key=lambda cells: (cells[0], cells[1]))
 
 
 def test_the_report_spells_the_ablation_kinds_as_the_heads_do():
