@@ -12,7 +12,7 @@ Dense Standard 3.21B and 7.50B parameters at Llama-3's vocabulary
 
 import math
 
-from onona_jax.config import ARCHS, HEADS, base_config, ffn_width, validate
+from onona_jax.config import ARCHS, HEADS, base_config, ffn_width, set_key, validate
 
 # d_ff 0: config.ffn_width(d_model), 8d/3 rounded up to 64 (SPEC §3).
 #            d_model  layers  heads  kv_heads  head_dim  d_ff
@@ -133,9 +133,8 @@ def get_config(arg: str = "dense-small-twin"):
 #              (`param_matched`): the parameter-matched Standard.
 # The group tag splits a grid's arms into groups of their own (the context grid: one per length).
 import dataclasses as _dataclasses
-import math as _math
 
-SQRT2 = _math.sqrt(2.0)
+SQRT2 = math.sqrt(2.0)
 
 
 @_dataclasses.dataclass
@@ -152,9 +151,8 @@ class Arm:
 
 
 def _cells(*cells):
-    """Cells as (name, head, rule, overrides, group tag), the missing tail filled in."""
-    return tuple((*c, None, {}, "")[:5] if len(c) == 2 else (*c, {}, "")[:5] if len(c) == 3 else
-                 (*c, "")[:5] for c in cells)
+    """Cells as (name, head, rule, overrides, group tag), a missing tail taken from (None, {}, "")."""
+    return tuple((*c, *(None, {}, "")[len(c) - 2:]) for c in cells)
 
 
 GRIDS = {
@@ -240,15 +238,7 @@ GRIDS = {
 
 
 def _deeper(layers: int) -> int:
-    return layers + _math.ceil(layers / 6)
-
-
-def _set(cfg, key: str, value):
-    *path, leaf = key.split(".")
-    node = cfg
-    for p in path:
-        node = node[p]
-    node[leaf] = value
+    return layers + math.ceil(layers / 6)
 
 
 def configure(spec: str, overrides: dict | None = None):
@@ -258,7 +248,7 @@ def configure(spec: str, overrides: dict | None = None):
 
     cfg = get_config(spec)
     for key, value in (overrides or {}).items():
-        _set(cfg, key, value)
+        set_key(cfg, key, value)
     return validate(cfg.copy_and_resolve_references())
 
 
@@ -278,7 +268,7 @@ def param_matched(standard, total: int, tolerance: float = 0.01) -> dict:
 
     def total_at(width):
         c = m.copy_and_resolve_references()
-        _set(c, key, int(width))
+        set_key(c, key, int(width))
         return summary.param_counts(c)["total"]
 
     width = (m.moe.d_expert if m.arch == "moe" else m.d_ff)

@@ -397,6 +397,15 @@ RESUMABLE_KEYS = (
 )
 
 
+def set_key(cfg, key: str, value) -> None:
+    """cfg["a.b.c"] = value for a dotted key (a ConfigDict or dict, in place)."""
+    *path, leaf = key.split(".")
+    node = cfg
+    for part in path:
+        node = node[part]
+    node[leaf] = value
+
+
 def flatten(d, prefix: str = "") -> dict:
     """{"train.lr": 0.001, ...} of a (nested) dict or ConfigDict."""
     if isinstance(d, ml_collections.ConfigDict):

@@ -131,11 +131,7 @@ def reference_model(cfg_model, reference: str = ""):
     m = ml_collections.ConfigDict(cfg_model.to_dict())
     m.arch, m.head, m.table_init_scale = "dense", "standard", 1.0
     for key, value in config_lib.parse_reference(reference, m).items():
-        *path, leaf = key.split(".")
-        node = m
-        for p in path:
-            node = node[p]
-        node[leaf] = value
+        config_lib.set_key(m, key, value)
     return m
 
 

@@ -63,14 +63,7 @@ def test_small_size_maps_every_spec_to_small_and_configs_validate(name):
     assert arms and all(a.spec.split("-")[1] == "small" for a in arms)
     assert len({a.name for a in arms}) == len(arms)
     for a in arms:
-        cfg = PAPER.get_config(a.spec)
-        for key, value in a.overrides.items():
-            node = cfg
-            *path, leaf = key.split(".")
-            for p in path:
-                node = node[p]
-            node[leaf] = value
-        validate(cfg)
+        validate(PAPER.configure(a.spec, a.overrides))
     paper = PAPER.grid(name)
     # Table 1's 142m and 330m groups coincide at one size and are run once.
     # Table 1's and matched's 142m and 330m (and 1b) groups coincide at one size and are run once.

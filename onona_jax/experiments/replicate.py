@@ -107,8 +107,12 @@ def _main(fv, extra):
     for arm in (a for a in rep["arms"] if a["spec"].endswith("-twin")):
         for seed in fv.seeds:
             run = paths.Sweepdir(sweep_dir).run(arm["name"], int(seed)).root
-            subprocess.run([sys.executable, "-m", "onona_jax.analysis.gate", f"--workdir={run}"], check=True,
-                           stdout=subprocess.DEVNULL)
+            done = subprocess.run([sys.executable, "-m", "onona_jax.analysis.gate", f"--workdir={run}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode:  # its own error line, not a CalledProcessError traceback
+                last = (done.stderr.strip().splitlines() or [""])[-1]
+                raise cli.Failure(f"the gate analysis of {run} failed ({last}); the runs and the report are kept: "
+                                  f"rerun python -m onona_jax.analysis.gate --workdir={run}")
     timings["gate_s"] = round(time.time() - t, 1)
     status = json.loads(paths.read_text(paths.Sweepdir(sweep_dir).status))
     record = dict(command=" ".join(["python -m onona_jax.experiments.replicate", *sys.argv[1:]]),

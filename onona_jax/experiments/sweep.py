@@ -76,20 +76,15 @@ def arm_config(spec: str, overrides: dict, extra=(), root: str | None = None):
     return config_lib.validate(fv.config)
 
 
-def budgets(arms, extra=(), root: str | None = None) -> dict:
-    """{arm name: summary.budget} of each arm as train.py will run it (steps, tokens, FLOPs, params)."""
-    from onona_jax import summary
-
-    return {a["name"]: summary.budget(arm_config(a["spec"], a.get("overrides", {}), extra, root)) for a in arms}
-
-
 def grid_info(name: str, size: str | None = None, root: str | None = None, extra=()) -> dict:
     """The grid (configs/paper.py `grid_info`) with every arm's config built as its train.py
     command line builds it, `--` flags included (a parameter-matched arm matches the model it will
     be compared with), and each arm's budget under "budget"."""
+    from onona_jax import summary
+
     info = load_paper_configs(root).grid_info(name, size, lambda spec, o: arm_config(spec, o, extra, root))
-    for arm, b in budgets(info["arms"], extra, root).items():
-        next(a for a in info["arms"] if a["name"] == arm)["budget"] = b
+    for arm in info["arms"]:  # steps, tokens, FLOPs, params as train.py will run it
+        arm["budget"] = summary.budget(arm_config(arm["spec"], arm["overrides"], extra, root))
     return info
 
 
