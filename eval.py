@@ -87,6 +87,8 @@ def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
     cli.check_output_file(fv.output, "eval.json")  # before the evaluation, not after it
+    if not fv.output:  # the default, DIR/eval/, likewise (a read-only workdir: say so now)
+        cli.check_output_dir(paths.Workdir(fv.workdir).eval, "--output=PATH on a writable disk")
     from onona_jax import compile_cache
 
     cache = compile_cache.default_dir() if fv.compile_cache is None else fv.compile_cache

@@ -36,8 +36,8 @@ def _main(fv, args):
 
     cfg = fv.config
     result = train.train(cfg, fv.workdir or f"runs/{cfg.name or 'default'}")
-    if result.get("preempted"):
-        return
+    if result.get("preempted"):  # its line said which step it saved; Ctrl-C: the shell's 130
+        return cli.INTERRUPTED if result.get("interrupted") else None
     line = "  ".join(f"{k}={v:.4f}" for k, v in result.items() if k.startswith("val_loss"))
     print(f"final step {result['step']}: {line}")
 

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -207,6 +206,33 @@ def _failed_read(err: BaseException | None) -> bool:
             or bool(re.match(r'[A-Z_]+: Error (opening|reading) "', text)))
 
 
+def _not_damage(err: BaseException) -> str | None:
+    """Why a failed read of a step says nothing about its files, or None: memory ran out
+    (host or device), or the files are there but this user may not read them. Such a step may
+    be whole, so it is never set aside nor skipped: the command stops with one line instead."""
+    text = str(err)
+    if isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return "memory ran out while reading it: free memory (or read with more devices)"
+    if isinstance(err, PermissionError) or "PERMISSION_DENIED" in text or "Permission denied" in text:
+        return "this user may not read its files: make them readable"
+    return None
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, listing a step whose `metrics` item cannot be read (a damaged
+    `<step>/metrics/metrics`: Orbax lists steps by reading it, and any error but
+    FileNotFoundError stopped every command, even eval.py, at the listing) as a step without
+    metrics: the metrics only say whether it was a timer save (`_timer_flag`), nothing a
+    restore needs, so the step counts as a scheduled save, as one saved before timer saves."""
+
+    def _get_metrics(self, step: int):
+        try:
+            metrics = super()._get_metrics(step)
+        except Exception:  # noqa: BLE001 - unparsable or unreadable: unknown, as if missing
+            return None
+        return metrics if isinstance(metrics, dict) else None
+
+
 class _NoFailedReadTasks(logging.Filter):
     """Drops asyncio's "Task exception was never retrieved" for a failed read's tasks: Orbax
     gathers one task per array, the first failure ends the read, and a sibling that failed
@@ -314,7 +340,7 @@ class Checkpoints:
             self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
         self.saved: int | None = None  # the step of the newest save started
-        self.manager = _listed(lambda: ocp.CheckpointManager(
+        self.manager = _listed(lambda: _Manager(
             self.directory,
             item_names=("state", "data", "config"),
             options=ocp.CheckpointManagerOptions(
@@ -386,7 +412,7 @@ class Checkpoints:
         for thread in _orbax_threads():
             try:
                 thread.join(max(0.0, deadline - time.monotonic()))
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, cli.Interrupted):  # the user's, not the thread's
                 raise
             except BaseException:  # noqa: BLE001 - Orbax's join re-raises the thread's own error
                 pass
@@ -428,7 +454,12 @@ class Checkpoints:
                     config=ocp.args.JsonRestore(),
                 ),
             )
-        return out["state"], out["data"], out["config"]
+        data = out["data"]
+        if not isinstance(data, dict) or data.get("step", step) != step:
+            # e.g. another step's data/metadata copied over this one's: resuming would replay batches
+            said = data.get("step") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"Error reading data iterator state: step {said!r} in the checkpoint of step {step}")
+        return out["state"], data, out["config"]
 
     def restore_params(self, step: int, abstract_params, via_host: bool = False):
         """Only the parameters of the train state at `step`, placed as `abstract_params`'s
@@ -534,6 +565,7 @@ class Checkpoints:
                 if self._rotated_away(step):
                     raise StepGone(f"checkpoint at step {step} in {self.directory} was deleted while it was read "
                                    f"(a running train.py keeps only its newest); have {self.steps()}") from None
+                self._not_damage(step, err)
                 raise cli.Failure(f"checkpoint at step {step} in {self.directory} could not be read ({short_error(err)}); "
                                   f"omit --step to use the newest readable one (steps: {self.steps()})") from None
         gone = None  # a step deleted while it was read: list again and retry once, from the newest
@@ -546,6 +578,7 @@ class Checkpoints:
                 except Exception as err:  # noqa: BLE001 - any read failure means "not usable"
                     if self._rotated_away(candidate):
                         break
+                    self._not_damage(candidate, err)  # memory, permissions: the step may be whole
                     if self.read_only:
                         fate = "left in place (this command only reads)"
                     else:
@@ -561,6 +594,15 @@ class Checkpoints:
                 print(f"note: checkpoint at step {gone} was deleted while it was read (a running train.py keeps only "
                       f"its newest); reading step {self.latest()}, the newest now", file=sys.stderr)
 
+    def _not_damage(self, step: int, err: BaseException):
+        """Raise a one-line Failure when `err` says nothing about the step's files (`_not_damage`):
+        the step is left in place and not skipped, as it may well be whole."""
+        why = _not_damage(err)
+        if why is not None:
+            raise cli.Failure(f"checkpoint at step {step} in {self.directory} could not be read ({short_error(err)}), "
+                              f"but it may be whole, so it was left in place: {why}, then rerun the same "
+                              "command") from None
+
     def _rotated_away(self, step: int) -> bool:
         """After a failed read by a read-only reader: whether `step` is gone from a fresh listing
         (a live run's rotation deleted it; its listing was a snapshot), not unreadable."""
@@ -570,17 +612,64 @@ class Checkpoints:
         return step not in self.steps()
 
     def _set_aside(self, step: int) -> str:
+        """Move the unreadable `step` out of Orbax's sight, whole, to `corrupt/<step>-<time>`,
+        or to the first of `corrupt.1/`, `corrupt.2/`, ... that takes it when something is in
+        the way (`corrupt` a file, a dangling or cross-device symlink, an unwritable directory;
+        an existing entry of that name gets a `.N` suffix). Returns where it went; raises a
+        one-line Failure, the step left in place, when it cannot be moved at all."""
         src = self.directory / str(step)
-        dst = self.directory / "corrupt" / f"{step}-{int(time.time())}"
+        stamp = f"{step}-{int(time.time())}"
+        dst = self.directory / "corrupt" / stamp  # what other processes report
         if jax.process_index() == 0 and src.exists():
-            if paths.is_cloud(src):
-                _move_objects(src, dst)
-            else:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(src, dst)  # one rename
+            try:
+                if paths.is_cloud(src):
+                    dst = _free_name(self.directory / "corrupt", stamp)
+                    _move_objects(src, dst)
+                else:
+                    dst = _rename_aside(str(src), str(self.directory), stamp)
+            except OSError as err:
+                raise cli.Failure(
+                    f"checkpoint at step {step} in {self.directory} cannot be read, and could not be set aside "
+                    f"({err.strerror or err}): move {src} out of {self.directory} by hand (nothing was deleted), "
+                    "then rerun the same command") from None
         # Reload the manager's view of which steps exist.
         _listed(self.manager.reload)
         return str(dst)
+
+
+def _free_name(folder: epath.Path, name: str) -> epath.Path:
+    """`folder/name`, or `folder/name.N` for the first N that does not exist."""
+    dst, n = folder / name, 0
+    while dst.exists():
+        n += 1
+        dst = folder / f"{name}.{n}"
+    return dst
+
+
+def _rename_aside(src: str, directory: str, name: str, folders: int = 10) -> str:
+    """Rename `src` to `<folder>/<name>` for the first folder among `directory`'s `corrupt`,
+    `corrupt.1`, ... that is (or can be made) a directory the rename succeeds into; the name
+    gets a `.N` suffix when taken (a rename onto an empty directory would replace it). Never
+    copies: one rename or nothing. Raises OSError naming every folder tried when none took it."""
+    tried = []
+    for i in range(folders):
+        folder = os.path.join(directory, "corrupt" if i == 0 else f"corrupt.{i}")
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            tried.append(f"{folder} is not a directory")
+            continue
+        try:
+            os.makedirs(folder, exist_ok=True)
+            dst, n = os.path.join(folder, name), 0
+            while os.path.lexists(dst):
+                n += 1
+                dst = os.path.join(folder, f"{name}.{n}")
+            os.rename(src, dst)
+            return dst
+        except OSError as err:
+            tried.append(f"{folder}: {err.strerror or err}")
+            if not os.path.isdir(os.path.dirname(src)) or not os.access(directory, os.W_OK):
+                break  # the step's own directory cannot be changed: no other folder helps
+    raise OSError(f"tried {'; '.join(tried)}")
 
 
 def _listed(list_steps, tries: int = 5):

@@ -19,12 +19,27 @@ process and their `main(argv)` called in-process (the tests do):
         return cli.run(define, _main, argv, __doc__)
 
 Exit status: 0 done; 2 bad usage or bad input found before any write (an unknown flag or
-config key, a bad value: `ValueError`); 1 an anticipated runtime failure (`Failure`).
+config key, a bad value: `ValueError`); 1 an anticipated runtime failure (`Failure`); 130
+interrupted (SIGINT, Ctrl-C: `Interrupted`).
+
+SIGINT, while `run` runs: the first stops the command cleanly. Where the command registered a
+graceful stop (`graceful_stop`: the training loop finishes the step in flight and saves it, as
+on SIGTERM) it only sets that stop's flag; elsewhere it raises `Interrupted` in the main thread,
+which `finally` blocks and staging directories clean up after, and `run` turns into one line
+`error: interrupted; <what was and was not written, how to resume>`. The second exits at once
+(`os._exit(130)`, one line), waiting for nothing: a watcher thread reads the signal from
+`signal.set_wakeup_fd`, so even a main thread busy in native code (an XLA compile) is no wait.
+After an interruption `exit` (the `__main__` path) leaves with `os._exit`, so no worker thread
+(Orbax's writers, the data pipeline's) can hold the process open at interpreter shutdown.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
+import threading
 
 from absl import flags
 
@@ -35,6 +50,184 @@ class Failure(RuntimeError):
 
 class UsageError(ValueError):
     """Bad usage: exit status 2."""
+
+
+INTERRUPTED = 130  # the exit status of a command stopped by SIGINT (128 + 2, as a shell reports it)
+
+
+class Interrupted(BaseException):
+    """The first SIGINT where no graceful stop is registered (`graceful_stop`), or a command's
+    own stop after it: `run` prints `error: interrupted; <text>` and returns 130. The text says
+    what was and was not written and how to resume (re-raise with a better one where a command
+    knows). A BaseException, so that no `except Exception` swallows it."""
+
+    def __init__(self, detail: str = "nothing was written; rerun the same command to start again"):
+        super().__init__(detail)
+
+
+class GracefulStop:
+    """A registered stop (`graceful_stop`): the first SIGINT sets `requested` (and calls
+    `on_first`) instead of raising; the command stops at its next safe point. `on_second`: run
+    by the second SIGINT just before the process exits (a sweep kills its child run)."""
+
+    def __init__(self, on_first=None, on_second=None):
+        self.requested = False
+        self.on_first, self.on_second = on_first, on_second
+
+    def request(self):
+        self.requested = True
+        if self.on_first is not None:
+            self.on_first()
+
+    def check(self, detail: str | None = None):
+        """Raise `Interrupted(detail)` if a SIGINT came (a safe point)."""
+        if self.requested:
+            raise Interrupted(*(() if detail is None else (detail,)))
+
+
+class _Sigint:
+    """SIGINT's state while `run` runs (one command at a time in a process)."""
+
+    def __init__(self):
+        self.depth = 0  # nested `run` calls: the outermost installs the handler
+        self.handled = 0  # SIGINTs the main thread's handler has run for (several may coalesce into one)
+        self.seen = 0  # SIGINTs the watcher has read (one byte each): the true count
+        self.stops: list[GracefulStop] = []  # registered graceful stops, innermost last
+        self.exiting = threading.Lock()
+        self.pipe = None  # (read fd, write fd) of set_wakeup_fd, made once per process
+        self.previous_hook = sys.unraisablehook
+        self.redelivered = 0  # the first SIGINT delivered again (`_unraisable`): not a second one
+        self.pending = 0  # of those, the ones the handler has not run for yet
+
+
+_SIGINT = _Sigint()
+AT_ONCE = ("error: interrupted again; exiting at once, leaving the work in flight unfinished (a partial "
+           "checkpoint or output is never used: rerun the same command to resume or start again)")
+
+
+def interrupted() -> bool:
+    """Whether a SIGINT came during the current (or last) `run`."""
+    return bool(_SIGINT.handled or _SIGINT.seen)
+
+
+def _exit_at_once():
+    """The second SIGINT: one line, then `os._exit(130)`; waits for nothing (not even the locks
+    of sys.stderr, which the main thread may hold: the line goes to fd 2 directly)."""
+    if not _SIGINT.exiting.acquire(blocking=False):
+        return  # another thread is exiting already
+    for stop in list(_SIGINT.stops):
+        if stop.on_second is not None:
+            try:
+                stop.on_second()
+            except BaseException:  # noqa: BLE001 - exiting regardless
+                pass
+    try:
+        os.write(2, ("\n" + AT_ONCE + "\n").encode())  # (a line of its own: a progress bar may hold the last)
+    except OSError:
+        pass
+    os._exit(INTERRUPTED)
+
+
+def _on_sigint(signum, frame):
+    if _SIGINT.pending:
+        _SIGINT.pending -= 1
+    else:
+        _SIGINT.handled += 1
+    if _SIGINT.handled >= 2 or _SIGINT.seen - _SIGINT.redelivered >= 2:
+        _exit_at_once()
+    if _SIGINT.stops:
+        _SIGINT.stops[-1].request()
+    else:
+        raise Interrupted()
+
+
+def _unraisable(unraisable):
+    """`Interrupted` raised where Python can only print and ignore it (a gc callback such as
+    JAX's, a `__del__`, a weakref callback): delivered again, to land in the code around it."""
+    if isinstance(unraisable.exc_value, Interrupted) and _SIGINT.depth:
+        # By the watcher thread, a moment later: from here the handler would run again at once, inside
+        # the same callback (and starting a thread here would be cut as well).
+        _SIGINT.pending += 1
+        try:
+            os.write(_SIGINT.pipe[1], b"\0")
+        except OSError:
+            pass
+        return
+    _SIGINT.previous_hook(unraisable)
+
+
+def _watch(fd: int):
+    """The second SIGINT's watcher: Python's own C-level handler writes each signal's number to
+    the wakeup fd as it arrives, whatever the main thread is doing."""
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not data:
+            return
+        if _SIGINT.depth:
+            for _ in range(data.count(0)):  # `_unraisable` asks for the first SIGINT again
+                import _thread
+                import time
+
+                time.sleep(0.001)
+                _SIGINT.redelivered += 1  # (before the delivery writes its byte)
+                _thread.interrupt_main(signal.SIGINT)
+            _SIGINT.seen += data.count(int(signal.SIGINT))
+            if _SIGINT.seen - _SIGINT.redelivered >= 2:  # (`_unraisable`'s own deliveries are not the user's)
+                _exit_at_once()
+
+
+@contextlib.contextmanager
+def _sigint_handling():
+    """`run`'s SIGINT handling (module docstring), in the main thread only (elsewhere Python
+    allows no signal handler: a library call of `run` from a thread keeps the process's)."""
+    if _SIGINT.depth or threading.current_thread() is not threading.main_thread():
+        _SIGINT.depth += bool(_SIGINT.depth)
+        try:
+            yield
+        finally:
+            _SIGINT.depth -= bool(_SIGINT.depth)
+        return
+    if _SIGINT.pipe is None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        _SIGINT.pipe = (r, w)
+        threading.Thread(target=_watch, args=(r,), name="onona-sigint-watcher", daemon=True).start()
+    _SIGINT.handled = _SIGINT.seen = _SIGINT.redelivered = _SIGINT.pending = 0
+    _SIGINT.stops = []
+    _SIGINT.previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        previous_fd = signal.set_wakeup_fd(_SIGINT.pipe[1], warn_on_full_buffer=False)
+    except ValueError:
+        previous_fd = None
+    _SIGINT.depth = 1
+    try:
+        yield
+    finally:
+        _SIGINT.depth = 0
+        if previous_fd is not None:
+            signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGINT, previous)
+        if sys.unraisablehook is _unraisable:  # (else another hook chained to it since: left in place)
+            sys.unraisablehook = _SIGINT.previous_hook
+
+
+@contextlib.contextmanager
+def graceful_stop(on_first=None, on_second=None):
+    """While inside, the first SIGINT sets the yielded `GracefulStop`'s `requested` (and calls
+    `on_first`) instead of raising `Interrupted`: the block stops at its next safe point
+    (`GracefulStop.check`, or its own test of `requested`). The innermost registered wins."""
+    stop = GracefulStop(on_first, on_second)
+    _SIGINT.stops.append(stop)
+    try:
+        yield stop
+    finally:
+        _SIGINT.stops.remove(stop)
 
 
 def probe_writable(directory: str) -> None:
@@ -55,14 +248,18 @@ def probe_writable(directory: str) -> None:
     try:
         paths.makedirs(directory)
         paths.write_atomic(probe, "ok")
-    except OSError:
+        paths.remove(probe)
+    except BaseException:  # (a failure, or a Ctrl-C: `Interrupted`)
+        try:
+            paths.remove(probe)
+        except Exception:  # noqa: BLE001 - not written
+            pass
         for d in made:
             try:
                 os.rmdir(d)
             except OSError:
                 break
         raise
-    paths.remove(probe)
 
 
 def check_output_file(path: str, example: str) -> None:
@@ -82,6 +279,27 @@ def check_output_file(path: str, example: str) -> None:
                          "give a writable path") from None
     if paths.isdir(path):
         raise UsageError(f"--output={path} is a directory; give a file path, e.g. {path}/{example}")
+
+
+def check_output_dir(directory: str, fix: str) -> None:
+    """A command's default output directory must be writable: found before the work (a probe
+    that leaves nothing behind, not even the directory it made). `fix`: what to give instead."""
+    from onona_jax import paths
+
+    made = not paths.isdir(directory)
+    try:
+        probe_writable(directory)
+    except OSError as err:
+        raise UsageError(f"cannot write {directory} ({err.strerror or err}), where the result goes by default; "
+                         f"give {fix}") from None
+    finally:
+        if made and not paths.is_cloud(directory):
+            import os
+
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
 
 
 def define_mesh(fv, default: str = "-1,1,1"):
@@ -110,6 +328,15 @@ def run(define, main, argv=None, doc: str = "", prog: str | None = None) -> int:
     logging.set_verbosity(logging.ERROR)  # Orbax logs every file it touches at INFO/WARNING
     fv = flags.FlagValues()
     flags.DEFINE_boolean("help", False, "show this help and exit", flag_values=fv, short_name="h")
+    with _sigint_handling():
+        try:
+            return _run(define, main, argv, doc, fv)
+        except Interrupted as err:  # (a second SIGINT never gets here: it exits at once)
+            print(f"error: interrupted; {err}", file=sys.stderr)
+            return INTERRUPTED
+
+
+def _run(define, main, argv, doc, fv) -> int:
     try:
         explain = define(fv, argv)
         try:
@@ -128,12 +355,103 @@ def run(define, main, argv=None, doc: str = "", prog: str | None = None) -> int:
     except ValueError as err:  # bad usage or bad input, found before any write
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # the environment as input: a bucket without its extra, JAX_PLATFORMS
+        why = environment_failure(err)
+        if why is None:
+            raise
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     return 0 if result is None else int(result)
+
+
+# The fsspec implementation a URL scheme needs, and the extra that installs it (pyproject.toml).
+EXTRAS = {"gcsfs": ("gs://", "gcs"), "s3fs": ("s3://", "cloud")}
+
+
+def environment_failure(err: BaseException) -> str | None:
+    """What the machine lacks, when that is why `err` was raised, or None: a bucket URL whose
+    fsspec package is not installed (fsspec's ImportError), or a JAX_PLATFORMS naming a platform
+    this machine has not (JAX fails to start its backend). Asked only once something failed."""
+    import os
+
+    if isinstance(err, ImportError):
+        cause = err.__cause__ if isinstance(err.__cause__, ImportError) else err
+        for package, (scheme, extra) in EXTRAS.items():
+            if cause.name == package or package in str(err):
+                return (f"{scheme} paths need {package}, which is not installed here; install the extra: "
+                        f"pip install -e '.[{extra}]' (or pip install {package})")
+        return None
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if not platforms or "jax" not in sys.modules:
+        return None
+    try:
+        sys.modules["jax"].devices()
+    except Exception as failed:  # noqa: BLE001 - the backend JAX_PLATFORMS asked for does not start
+        line = (str(failed).strip().splitlines() or [f"no backend of that name started: {type(failed).__name__}"])[0]
+        line = line.split(" (set JAX_PLATFORMS=")[0]  # JAX's own hint, said below in our words
+        return (f"JAX_PLATFORMS={platforms}: JAX cannot start that platform on this machine ({line}); unset "
+                "JAX_PLATFORMS to use what this machine has, or name one it has, e.g. JAX_PLATFORMS=cpu")
+    return None
+
+
+def check_environment() -> None:
+    """The ONONA_* variables are input: a bad value is one ValueError naming the variable, before
+    anything starts (ONONA_DISTRIBUTED is read before jax.distributed starts)."""
+    import os
+
+    value = os.environ.get("ONONA_DISTRIBUTED", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"ONONA_DISTRIBUTED={value!r}: give 1 (join the other hosts JAX discovers: TPU pods, "
+                         "SLURM) or 0/unset")
+    seconds_from_env("ONONA_LOCK_LEASE_S", "the workdir lock's lease in seconds, e.g. 120")
+
+
+def seconds_from_env(name: str, what: str) -> float | None:
+    """A positive finite number of seconds from the environment variable `name` (None if unset):
+    anything else is one ValueError naming the variable and `what` to give."""
+    import math
+    import os
+
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={text!r}: give {what}")
+    return value
 
 
 def run_module(define, main, doc: str = ""):
     """`sys.exit(run(...))` for `if __name__ == "__main__"` (jax.distributed first)."""
-    from onona_jax import platform
+    try:
+        check_environment()
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    with _sigint_handling():  # (jax.distributed may take a while to join: a Ctrl-C there is one line too)
+        try:
+            from onona_jax import platform
 
-    platform.initialize()
-    sys.exit(run(define, main, None, doc))
+            platform.initialize()
+        except Interrupted as err:
+            print(f"error: interrupted; {err}", file=sys.stderr)
+            exit(INTERRUPTED)
+    exit(run(define, main, None, doc))
+
+
+def exit(status: int):
+    """`sys.exit(status)` for a `__main__`; after a SIGINT, `os._exit(status)` once stdout and
+    stderr are flushed: the command has stopped as the interruption asked, and no thread left
+    running (an Orbax writer whose start the interruption cut, a data pipeline's reader) may
+    then hold the process open at interpreter shutdown."""
+    if interrupted():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+    sys.exit(status)

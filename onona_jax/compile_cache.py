@@ -50,6 +50,11 @@ def use(directory: str, min_compile_s: float = 1.0, key: str = "train.compile_ca
             cli.probe_writable(directory)
         except Exception as err:  # noqa: BLE001 - OSError locally; a bucket's client raises its own
             reason = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+            env = os.environ.get(ENV)
+            if env and directory == paths.absolute(os.path.expanduser(env)):  # the default, from the environment
+                raise ValueError(f"{ENV}={env} ({key}'s default): cannot write there ({reason}); set it to a "
+                                 f"writable directory or bucket path, or to nothing ({ENV}=) to turn the "
+                                 "compilation cache off") from None
             raise ValueError(f"{key}={directory}: cannot write there ({reason}); give a writable directory "
                              f"or bucket path, or {key}= (empty) to turn the compilation cache off") from None
         if not _listening:

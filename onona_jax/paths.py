@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 
 from etils import epath
@@ -110,6 +111,37 @@ def remove(p) -> None:
         path(p).unlink()
     except FileNotFoundError:
         pass
+
+
+def mount_points() -> set[str]:
+    """Every mount point of this process's mount namespace (Linux's /proc/self/mountinfo), bind
+    mounts included, which `os.path.ismount` cannot see (a bind mount of a folder on the same file
+    system has the same device as its parent). Empty where there is no /proc."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    unescape = lambda s: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)  # noqa: E731
+    return {unescape(ln.split()[4]) for ln in lines if len(ln.split()) > 4}
+
+
+def is_mount_point(p) -> bool:
+    """True when the local directory `p` is a mount point (a volume or a bind mount): a file system
+    boundary that nothing can be renamed onto or across."""
+    if is_cloud(p) or not os.path.isdir(p):
+        return False
+    return os.path.ismount(p) or os.path.realpath(p) in mount_points()
+
+
+def check_rename_target(out, flag: str, example: str) -> None:
+    """Before any work: a command that builds its output beside `out` and renames it into place
+    (staging.py) cannot do so onto a mount point (an empty volume, a bind mount of a folder): the
+    rename fails with EBUSY or EXDEV after all the work. ValueError naming a folder inside it."""
+    if is_mount_point(out):
+        raise ValueError(f"{flag}={out} is a mount point (a volume or a bind mount): the output is built beside its "
+                         f"target and renamed into place, which a mount point cannot take; give a folder inside "
+                         f"it, e.g. {flag}={os.path.join(os.fspath(out), example)}")
 
 
 def _fs(p):
@@ -206,7 +238,7 @@ class Appender:
                 self.data = bytearray()
         else:
             os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-            self.fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self.fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)  # (read: `_reattach`)
 
     def size(self) -> int:
         if self.compose:
@@ -261,6 +293,7 @@ class Appender:
             return
         import errno
 
+        self._reattach()
         size = self.size()
         try:
             if os.write(self.fd, data) != len(data):
@@ -271,6 +304,38 @@ class Appender:
             except OSError:
                 pass
             raise
+
+    def _reattach(self) -> None:
+        """Locally, before each append: if the path no longer names the file this process writes
+        (deleted by a clean-up script, moved away by log rotation, replaced), recreate it from that
+        file's own bytes (still readable through the open descriptor), so no line is lost; a
+        non-empty file found in its place is moved aside, not overwritten. One warning line says so."""
+        import sys
+        import time
+
+        mine = os.fstat(self.fd)
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            return
+        record = os.pread(self.fd, mine.st_size, 0)
+        aside = None
+        if st is not None and st.st_size > 0:
+            aside = f"{self.path}.found-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(self.path, aside)
+        write_atomic(self.path, record)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        os.close(self.fd)
+        self.fd = fd
+        found = "deleted" if st is None else "replaced"
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=sys.stderr):  # on a line of its own, not after a progress bar
+            print(f"warning: {self.path} was {found} while this run wrote it; recreated it from the run's own record "
+                  f"({len(record):,} bytes) and went on" + (f"; the file found in its place is now {aside}" if aside else ""),
+                  file=sys.stderr)
 
     def close(self) -> None:
         if not self.cloud:

@@ -223,6 +223,31 @@ def test_killed_holders_lock_is_free_at_once(tmp_path, holders, capfd):
     assert not (tmp_path / "lock.json").exists() and capfd.readouterr().err == ""
 
 
+def test_checkpoints_reached_through_a_symlink_are_locked_where_they_live(tiny_data, tmp_path, holders, capfd):
+    """Two fresh workdirs whose checkpoints/ are symlinks to one directory (checkpoints kept on a
+    big disk): the run holding the first also holds that directory, so train.py on the second
+    (another lr) exits 2 naming the first's workdir and the directory really shared, and writes
+    nothing."""
+    shared = tmp_path / "big-disk" / "ckpts"
+    shared.mkdir(parents=True)
+    first, other = tmp_path / "first", tmp_path / "other"
+    for wd in (first, other):
+        wd.mkdir()
+        (wd / "checkpoints").symlink_to(shared)
+    holders(first)
+    assert (shared / "lock.json").exists()
+    before = tree_digest(tmp_path)
+    rc = train_cli.main(argv(tiny_data, other, **{"train.lr": 0.5}))
+    err = capfd.readouterr().err
+    assert rc == 2, err[-2000:]
+    [line] = errors(err)
+    assert f"{other}/checkpoints (really {shared}, which another workdir's run also writes) is in use by" in line, line
+    assert f"workdir {first})" in line, line
+    assert tree_digest(tmp_path) == before
+    assert lock_lib.elsewhere(str(first)) == [(f"{first}/checkpoints", str(shared))]
+    assert lock_lib.elsewhere(str(tmp_path / "nothing-here")) == []
+
+
 def test_lock_file_removed_by_hand_is_noticed(tmp_path, monkeypatch):
     """A holder whose lock.json is deleted (another run could then lock a new one) notices
     within one heartbeat and `check()` stops it."""
@@ -713,6 +738,94 @@ def test_writer_sets_aside_only_unreadable_steps(tiny_data, copy_run, capfd):
     assert len(err.strip().splitlines()) == 1 and "moved to" in err, err
 
 
+def test_damaged_metadata_files_are_skipped_or_harmless(tiny_data, copy_run, capfd):
+    """Step 4's state/_METADATA garbled: read-only readers use step 2 and change nothing. Its
+    metrics item garbled (Orbax read it to list the steps: every command stopped with a
+    traceback): the step lists and restores, and a writer keeps it (its arrays are whole)."""
+    ckpts = copy_run / "checkpoints"
+    metadata = ckpts / "4" / "state" / "_METADATA"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    before = tree_digest(copy_run)
+    _, step, _, _ = restore_params(str(copy_run), None, (1, 1, 1), jax.devices()[:1])
+    assert step == 2 and tree_digest(copy_run) == before
+    assert "warning: checkpoint at step 4 could not be restored" in capfd.readouterr().err
+    shutil.copyfile(ckpts / "2" / "state" / "_METADATA", metadata)  # (the same tree: whole again)
+
+    (ckpts / "4" / "metrics" / "metrics").write_text('{"timer": ')
+    assert saved_config(str(copy_run)).model.head == "standard"
+    run = trainer.setup(the_config(tiny_data), jax.devices()[:1])
+    writer = Checkpoints(str(ckpts))
+    assert writer.steps() == [2, 4] and writer.timer_steps() == []
+    assert writer.restore_latest(trainer.abstract_train_state(run))[0] == 4
+    assert not (ckpts / "corrupt").exists() and "Traceback" not in capfd.readouterr().err
+
+
+def test_another_steps_data_state_is_unreadable(tiny_data, copy_run, capfd):
+    """Step 2's data iterator state copied over step 4's (a resume would replay batches 3-4):
+    the writer sets step 4 aside with one warning and resumes from step 2."""
+    ckpts = copy_run / "checkpoints"
+    shutil.copyfile(ckpts / "2" / "data" / "metadata", ckpts / "4" / "data" / "metadata")
+    run = trainer.setup(the_config(tiny_data), jax.devices()[:1])
+    step, _, data, _ = Checkpoints(str(ckpts)).restore_latest(trainer.abstract_train_state(run))
+    err = capfd.readouterr().err
+    assert step == 2 and data == {"step": 2}
+    [line] = err.strip().splitlines()
+    assert "step 4 could not be restored" in line and "data iterator state: step 2" in line, err
+
+
+def test_set_aside_goes_round_whatever_is_in_the_way(tiny_data, copy_run, capfd):
+    """checkpoints/corrupt a file and corrupt.1 a dangling symlink: step 4 goes to corrupt.2/,
+    both left as they were; a name already taken there gets a suffix, never merges."""
+    from onona_jax import checkpoint as checkpoint_lib
+
+    ckpts = copy_run / "checkpoints"
+    (ckpts / "corrupt").write_text("mine\n")
+    (ckpts / "corrupt.1").symlink_to(copy_run / "nowhere")
+    damage_arrays(copy_run, 4)
+    run = trainer.setup(the_config(tiny_data), jax.devices()[:1])
+    writer = Checkpoints(str(ckpts))
+    assert writer.restore_latest(trainer.abstract_train_state(run))[0] == 2
+    [line] = capfd.readouterr().err.strip().splitlines()
+    [aside] = (ckpts / "corrupt.2").iterdir()
+    assert aside.name.startswith("4-") and f"moved to {aside} " in line, line
+    assert (ckpts / "corrupt").read_text() == "mine\n" and (ckpts / "corrupt.1").is_symlink()
+    assert writer.steps() == [2]
+
+    (ckpts / "2.copy").mkdir()
+    (ckpts / "corrupt.2" / "2-7").mkdir()  # empty: a plain rename would replace it
+    dst = checkpoint_lib._rename_aside(str(ckpts / "2.copy"), str(ckpts), "2-7")
+    assert dst == str(ckpts / "corrupt.2" / "2-7.1") and (ckpts / "corrupt.2" / "2-7").is_dir()
+
+
+def test_set_aside_impossible_or_not_damage_is_one_failure_and_moves_nothing(tiny_data, copy_run, monkeypatch):
+    """No folder takes the step (every corrupt* name a file): one Failure naming the fix,
+    the step left in place. A read that failed for want of memory or permission says nothing
+    about the files: one Failure, nothing moved, not skipped (read-only readers too)."""
+    from onona_jax import cli
+
+    ckpts = copy_run / "checkpoints"
+    run = trainer.setup(the_config(tiny_data), jax.devices()[:1])
+    abstract = trainer.abstract_train_state(run)
+    for name in ["corrupt"] + [f"corrupt.{i}" for i in range(1, 10)]:
+        (ckpts / name).write_text("x")
+    damage_arrays(copy_run, 4)
+    with pytest.raises(cli.Failure, match=r"step 4 .* could not be set aside .*: move .*/4 out of .* by hand"):
+        Checkpoints(str(ckpts)).restore_latest(abstract)
+    assert Checkpoints(str(ckpts)).steps() == [2, 4]
+
+    for err in (MemoryError(), RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes"),
+                PermissionError(13, "Permission denied")):
+        def fail(self, step, abstract_state, err=err):
+            raise err
+        monkeypatch.setattr(Checkpoints, "restore", fail)
+        with pytest.raises(cli.Failure, match=r"step 4 .* may be whole, so it was left in place"):
+            Checkpoints(str(ckpts)).restore_latest(abstract)
+        monkeypatch.setattr(Checkpoints, "restore_params", lambda *a, **k: fail(None, None, None))
+        with pytest.raises(cli.Failure, match=r"step 4 .* may be whole"):
+            restore_params(str(copy_run), None, (1, 1, 1), jax.devices()[:1])
+        assert Checkpoints(str(ckpts)).steps() == [2, 4]
+
+
 # ----------------------------------------------------------------------------- 5. storage failures
 
 
@@ -743,6 +856,38 @@ def test_metrics_never_torn_and_a_resume_repairs_the_tail(tmp_path, monkeypatch,
     monkeypatch.undo()
     log.close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == good
+
+
+def test_metrics_deleted_or_replaced_mid_run_are_recreated_from_the_runs_record(tmp_path, capfd):
+    """metrics.jsonl deleted (a clean-up script) or replaced (log rotation, another file) while a
+    run writes it: the next logged step notices, recreates it from the run's own bytes with one
+    warning, and moves a non-empty file found in its place aside; TensorBoard's file alike."""
+    log = loop.MetricsLog(str(tmp_path))
+    log.write(1, {"loss": 3.0})
+    log.write(2, {"loss": 2.5})
+    assert capfd.readouterr().err == ""
+    (tmp_path / "metrics.jsonl").unlink()
+    [events] = (tmp_path / "tensorboard").iterdir()
+    events.unlink()
+    log.write(3, {"loss": 2.0})
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2 and all(e.startswith("warning: ") and "was deleted while this run wrote it; recreated it "
+                                 "from the run's own record" in e for e in err), err
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert {s for s, _, _ in tensorboard_scalars(events)} == {1, 2, 3}
+
+    (tmp_path / "metrics.jsonl").rename(tmp_path / "metrics.jsonl.1")  # rotated, another file in its place
+    (tmp_path / "metrics.jsonl").write_text('{"someone": "else"}\n')
+    log.write(4, {"loss": 1.5})
+    [line] = capfd.readouterr().err.splitlines()
+    [aside] = tmp_path.glob("metrics.jsonl.found-*")
+    assert "was replaced while this run wrote it" in line and f"the file found in its place is now {aside}" in line
+    assert aside.read_text() == '{"someone": "else"}\n'
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    log.write(5, {"loss": 1.0})  # attached to the new file: no further word
+    log.close()
+    assert capfd.readouterr().err == ""
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
 
 
 @pytest.fixture
@@ -1027,6 +1172,95 @@ def test_eval_output_checked_before_the_work(run_dir, tmp_path, read_only, capfd
     [line] = errors(capfd.readouterr().err)
     assert f"--output={ro / 'eval.json'}: cannot write to {ro}" in line
     assert time.perf_counter() - t < 5  # nothing restored or compiled
+
+
+def test_eval_default_output_checked_before_the_work(copy_run, read_only, capfd):
+    """No --output on a read-only workdir: its default, DIR/eval/, is probed first (exit 2, one
+    line naming --output, in seconds); on a writable workdir the probe leaves nothing behind."""
+    read_only(copy_run)
+    t = time.perf_counter()
+    assert eval_cli.main([f"--workdir={copy_run}", "--mesh=1,1,1"]) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert line.startswith(f"error: cannot write {copy_run}/eval (") and "give --output=PATH" in line, line
+    assert time.perf_counter() - t < 5  # nothing restored or compiled
+
+
+def test_default_output_probe_leaves_nothing(tmp_path):
+    from onona_jax import cli
+
+    cli.check_output_dir(str(tmp_path / "eval"), "--output")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_json_edited_by_hand_is_named(copy_run):
+    """config.json against the config saved with the newest checkpoint: equal (as the run wrote
+    it) says nothing; a hand edit is named by its keys (the run warns and rewrites the file)."""
+    path, ckpts = str(copy_run / "config.json"), str(copy_run / "checkpoints")
+    assert loop.config_edits(path, ckpts) == ""
+    cfg = json.loads((copy_run / "config.json").read_text())
+    cfg["train"]["lr"], cfg["model"]["n_layers"] = 0.5, 7
+    (copy_run / "config.json").write_text(json.dumps(cfg))
+    assert loop.config_edits(path, ckpts) == f"model.n_layers: {OVERRIDES.get('model.n_layers', 2)!r} → 7, " \
+        f"train.lr: {the_config('x').train.lr!r} → 0.5"
+    (copy_run / "config.json").write_text("{not json")
+    assert loop.config_edits(path, ckpts) == "it no longer reads as JSON"
+    assert loop.config_edits(path, str(copy_run / "no-checkpoints")) == ""
+
+
+def test_steps_past_the_int32_counter_are_refused_up_front(tiny_data, tmp_path, capfd):
+    workdir = tmp_path / "wd"
+    assert train_cli.main(argv(tiny_data, workdir, **{"train.steps": 10**12})) == 2
+    [line] = errors(capfd.readouterr().err)
+    assert "train.steps resolves to 1,000,000,000,000, more than the 2,147,483,647 steps" in line, line
+    assert not workdir.exists()
+
+
+def test_the_environment_is_input(monkeypatch):
+    """A bucket URL without its fsspec package names the extra; JAX_PLATFORMS is named only when
+    JAX's backend really does not start; a bad ONONA_* value names the variable."""
+    from onona_jax import cli
+
+    missing = ImportError("Please install gcsfs to access Google Storage")
+    missing.__cause__ = ModuleNotFoundError("No module named 'gcsfs'", name="gcsfs")
+    assert cli.environment_failure(missing) == ("gs:// paths need gcsfs, which is not installed here; install the "
+                                                "extra: pip install -e '.[gcs]' (or pip install gcsfs)")
+    assert "pip install -e '.[cloud]'" in cli.environment_failure(ImportError("Install s3fs to access S3"))
+    assert cli.environment_failure(ImportError("no module named foo")) is None
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert cli.environment_failure(RuntimeError("something else")) is None  # cpu starts: not the cause
+    for name, value in (("ONONA_DISTRIBUTED", "yes"), ("ONONA_LOCK_LEASE_S", "-3")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"^{name}={value!r}"):
+            cli.check_environment()
+        monkeypatch.delenv(name)
+    cli.check_environment()
+
+
+def test_outputs_onto_a_mount_point_are_refused_before_the_work(tmp_path, monkeypatch):
+    """export and prepare build their folder beside the target and rename it into place, which a
+    mount point (here a bind mount, which os.path.ismount cannot see) cannot take."""
+    from onona_jax.data import prepare
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    monkeypatch.setattr(paths, "mount_points", lambda: {str(volume)})
+    with pytest.raises(ValueError, match=f"--output={volume} is a mount point .* --output={volume}/export$"):
+        paths.check_rename_target(volume, "--output", "export")
+    with pytest.raises(ValueError, match="is a mount point"):
+        prepare.prepare([str(tmp_path / "in.txt")], str(volume), 0.1, 1000, 0)
+    paths.check_rename_target(volume / "export", "--output", "export")  # a folder inside it is fine
+    assert list(volume.iterdir()) == []
+
+
+def test_export_onto_a_full_disk_is_an_oserror(tmpfs, tmp_path):
+    """safetensors reports a full disk as its own SafetensorError; the export's writer turns it
+    into OSError(ENOSPC), which export.py's one error line catches."""
+    from onona_jax.serve import hf_format
+
+    disk = tmpfs(tmp_path / "disk", "64k")
+    with pytest.raises(OSError) as err:
+        hf_format._save_safetensors({"w": np.zeros((256, 256), np.float32)}, str(disk / "model.safetensors"))
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(disk / "model.safetensors")
 
 
 # ----------------------------------------------------------------------------- 6. validation

@@ -262,7 +262,9 @@ class TrainIterator(grain.DatasetIterator):
         if diff:
             raise ValueError("data iterator state was saved with a different config (saved, now): "
                              + ", ".join(f"{k}={a!r}, {b!r}" for k, (a, b) in diff.items()))
-        self._parent.set_state({"next_index": int(state["step"])})
+        if not isinstance(state.get("step"), int) or state["step"] < 0:
+            raise ValueError(f"data iterator state without a step count: {state!r}")
+        self._parent.set_state({"next_index": state["step"]})
 
 
 def train_batches(

@@ -514,6 +514,7 @@ def prepare(
     if not text_column or tokens_column == "":
         raise ValueError("--text_column and --tokens_column must name a field or column")
     out = Path(output)
+    paths.check_rename_target(out, "--output", "data")
     for d in staging.remove_stale(out):
         print(f"removed {d}, the partial output of an interrupted prepare", file=sys.stderr)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -702,8 +703,10 @@ def _main(fv, paths):
     except OSError as e:
         hint = "free space or choose another --output" if e.errno == errno.ENOSPC else "check the --output path"
         raise cli.Failure(f"cannot write {fv.output} ({e}); {hint}; nothing was written") from None
-    except (_Interrupted, KeyboardInterrupt):
+    except _Interrupted:  # SIGTERM: exit 1, as before
         raise cli.Failure(f"interrupted; {fv.output} was not written (rerun the same command to start again)") from None
+    except (cli.Interrupted, KeyboardInterrupt):  # SIGINT (`cli.run`): exit 130, the partial output removed
+        raise cli.Interrupted(f"{fv.output} was not written (rerun the same command to start again)") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     for s in SPLITS:
@@ -722,4 +725,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

@@ -28,6 +28,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -160,6 +161,13 @@ def emit(path: str, arms, seeds, workdir: str, extra=(), root: str | None = None
     return lines
 
 
+def _send(child, signum):
+    try:
+        child.send_signal(signum)
+    except OSError:
+        pass
+
+
 def _run_one(stage: str, argv, cwd: str, log_dir: str):
     """Run argv with stdout/stderr into log_dir/<stage>.{out,err} (written locally, then copied
     whole to a bucket log_dir); (returncode, stderr tail)."""
@@ -168,7 +176,12 @@ def _run_one(stage: str, argv, cwd: str, log_dir: str):
     out_path, err_path = (os.path.join(local, f"{stage}.{x}") for x in ("out", "err"))
     try:
         with open(out_path, "w") as out, open(err_path, "w") as err:
-            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err)
+            child = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=err)
+            # A Ctrl-C at a terminal reaches the run itself (the same process group); a SIGINT to the
+            # sweep alone (`kill -INT`) is passed on as a SIGTERM, a pre-emption: either way the run
+            # saves its step and stops, and the sweep after it (`run_sweep`). A second SIGINT kills it.
+            with cli.graceful_stop(lambda: _send(child, signal.SIGTERM), child.kill):
+                rc = child.wait()
         with open(err_path, errors="replace") as f:
             tail = f.read()[-STDERR_TAIL:]
         if local != log_dir:
@@ -204,6 +217,11 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
             log(f"[{done}/{total}] {key}: {arm['spec']} {arm.get('overrides') or ''}".rstrip())
             for stage, argv in command_fn(arm, seed, workdir, extra):
                 rc, tail = _run_one(stage, argv, root, paths.Workdir(rd).logs)
+                if cli.interrupted():  # (a Ctrl-C: the run stopped as it does alone; the sweep stops after it)
+                    entry.update(status="interrupted", stage=stage, returncode=rc, duration_s=round(time.time() - t0, 1))
+                    paths.write_json(status_path, status)
+                    raise cli.Interrupted(f"stopped {key} at its {stage} (exit {rc}; its log: "
+                                          f"{paths.Workdir(rd).logs}); rerun the same command to resume the sweep")
                 if rc != 0:
                     entry.update(status="failed", stage=stage, returncode=rc, stderr_tail=tail,
                                  command=shlex.join(argv))
@@ -265,7 +283,12 @@ def _main(fv, extra):
             print(f"wrote {len(lines)} command lines to {fv.emit}; "
                   f"then: python -m onona_jax.experiments.report {workdir}")
             return 0
-        status = run_sweep(arms, seeds, workdir, extra, root, python=fv.python)
+        try:
+            status = run_sweep(arms, seeds, workdir, extra, root, python=fv.python)
+        except cli.Interrupted as err:
+            if str(err).startswith("stopped "):  # (run_sweep's own line: which run it stopped)
+                raise
+            raise cli.Interrupted("the sweep stopped between runs; rerun the same command to resume it") from None
     keys = [f"{a['name']}/seed{s}" for a in arms for s in seeds]
     failed = [k for k in keys if status[k].get("status") == "failed"]
     print(f"done: {len(arms) * len(seeds)} runs, {len(failed)} failed"

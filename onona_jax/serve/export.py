@@ -90,7 +90,11 @@ def define(fv, argv):
 def _main(fv, args):
     if args:
         raise cli.UsageError(f"unexpected arguments {args}")
-    print(json.dumps(export(fv.workdir, fv.output, fv.step, fv.tokenizer, cli.mesh(fv), fv.overwrite), indent=2))
+    try:
+        summary = export(fv.workdir, fv.output, fv.step, fv.tokenizer, cli.mesh(fv), fv.overwrite)
+    except cli.Interrupted:  # (Ctrl-C: the folder being built beside OUT is removed on the way out)
+        raise cli.Interrupted(f"{fv.output} was not written (left as it was); rerun the same command to export") from None
+    print(json.dumps(summary, indent=2))
 
 
 def main(argv=None) -> int:

@@ -669,10 +669,21 @@ def _converted_with_gaps(tok):
 
 
 def _save_safetensors(tensors: dict[str, np.ndarray], path: str):
+    """safetensors' writer, whose I/O errors (a full disk) come as its own SafetensorError: an
+    OSError here, with the OS's errno where its message carries one, as callers expect of a write."""
+    import errno
+    import re
+
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path,
-              metadata={"format": "pt"})
+    try:
+        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path,
+                  metadata={"format": "pt"})
+    except SafetensorError as err:
+        code = re.search(r"(?:code: |os error )(\d+)", str(err))
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number) if code else f"safetensors could not write ({err})", path) from None
 
 
 def check_tokenizer(cfg, tokenizer: bool = True):
@@ -700,6 +711,7 @@ def check_output(output: str, overwrite: bool = False) -> None:
     if not os.path.isdir(existing):
         where = "is a file" if existing == out else f"is under {existing}, which is a file"
         raise ValueError(f"--output={output} {where}; give a folder path")
+    paths.check_rename_target(out, "--output", "export")
     full = os.path.isdir(out) and bool(os.listdir(out))
     if full and not overwrite:
         raise ValueError(f"--output={output} is not empty; give a new or empty folder, or pass --overwrite to "

@@ -66,14 +66,27 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     ckpt_dir = paths.Workdir(workdir).checkpoints
 
     def refuse_a_used_workdir():
-        if paths.isdir(ckpt_dir) and any(paths.path(ckpt_dir).iterdir()):
-            raise ValueError(f"{ckpt_dir} already holds checkpoints; import into an empty workdir")
+        # (Not the leftovers of a killed import, removed below once locked, nor the lock of a
+        # checkpoints/ that lives elsewhere: lock.py.)
+        used = [e.name for e in paths.path(ckpt_dir).iterdir() if "orbax-checkpoint-tmp" not in e.name
+                and e.name != paths.Workdir.LOCK] if paths.isdir(ckpt_dir) else []
+        if used:
+            raise ValueError(f"{ckpt_dir} already holds checkpoints ({', '.join(sorted(used)[:3])}); import into an "
+                             "empty workdir")
 
     refuse_a_used_workdir()
     params = hf_format.from_hf(hf_format.read_weights(path), cfg.model)  # every name and shape checked before any write
     run = setup(cfg, devices)
-    with WorkdirLock(workdir):  # a writer like train.py: refused (exit 2, nothing written) while one runs
-        refuse_a_used_workdir()  # again, now that no other writer can start meanwhile
+    fresh = not paths.is_cloud(workdir) and not os.path.isdir(workdir)
+    # From the lock on, a Ctrl-C lets the writes below finish, then undoes them (`_undo`): never cut inside one.
+    with cli.graceful_stop() as stop, WorkdirLock(workdir):  # a writer like train.py: refused (exit 2, nothing
+        refuse_a_used_workdir()  # written) while one runs; again, now that no other writer can start meanwhile
+        before = _entries(workdir)
+        if paths.isdir(ckpt_dir):  # an import killed during its save left a temporary step: ours to remove
+            removed = Checkpoints(ckpt_dir, keep=cfg.train.keep_checkpoints).remove_unfinished()
+            if removed:
+                print(f"removed {removed} from {ckpt_dir}, the unfinished save of an import that was killed",
+                      file=sys.stderr)
         if copy_from:  # the folder's tokenizer files, then data.tokenizer names the copy (`choose_tokenizer`)
             target = os.path.abspath(paths.Workdir(workdir).tokenizer)
             os.makedirs(target, exist_ok=True)
@@ -89,10 +102,33 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
         # iterator's state check; start a new run with --config.init_from=<this workdir> instead.
         ckpts.save(0, train_state, {"step": 0, "imported_from": os.path.abspath(path)}, cfg.to_json())
         ckpts.wait()
+        if stop.requested:
+            _undo(workdir, before)
+    if stop.requested:
+        if fresh:
+            try:
+                os.rmdir(workdir)  # (only if empty)
+            except OSError:
+                pass
+        stop.check(f"{workdir} is left as it was: nothing was imported (rerun the same command to import)")
     return dict(workdir=paths.absolute(workdir), step=0, source=os.path.abspath(path),
                 model_type=hf.get("model_type"), config=cfg.name, arch=cfg.model.arch, head=cfg.model.head,
                 tokenizer=cfg.data.tokenizer, vocab_size=int(cfg.model.vocab_size),
                 vocab_multiple=int(cfg.model.vocab_multiple))
+
+
+def _entries(workdir: str) -> set[str]:
+    return {p.name for p in paths.path(workdir).iterdir()} if paths.isdir(workdir) else set()
+
+
+def _undo(workdir: str, before: set[str]):
+    """Remove what an import made in `workdir` (its lock's files are the lock's)."""
+    for name in _entries(workdir) - before - {paths.Workdir.LOCK}:
+        entry = paths.path(paths.join(workdir, name))
+        try:
+            entry.rmtree() if entry.is_dir() else entry.unlink()
+        except Exception:  # noqa: BLE001 - already stopping: what stays is named by nothing, used by nothing
+            pass
 
 
 def vocab_multiple(entries: int, rows: int, multiple: int) -> int:

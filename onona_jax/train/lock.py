@@ -57,16 +57,8 @@ RENEWALS_PER_LEASE = 12
 
 
 def lease_seconds() -> float:
-    text = os.environ.get("ONONA_LOCK_LEASE_S")
-    if not text:
-        return LEASE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"ONONA_LOCK_LEASE_S={text!r}: give the workdir lock's lease in seconds, e.g. 120")
-    return value
+    value = cli.seconds_from_env("ONONA_LOCK_LEASE_S", "the workdir lock's lease in seconds, e.g. 120")
+    return LEASE_S if value is None else value
 
 
 class LockLost(cli.Failure):
@@ -95,7 +87,8 @@ def holder_text(info: dict) -> str:
     where = f"pid {info.get('pid', '?')} on host {info.get('host', '?')}"
     if info.get("host") == socket.gethostname() and info.get("pid_ns") not in (None, _pid_namespace()):
         where += " (in another PID namespace: a container)"
-    return f"{_command(info.get('argv'))} ({where}, started {when})"
+    run = f", workdir {info['workdir']}" if isinstance(info.get("workdir"), str) else ""
+    return f"{_command(info.get('argv'))} ({where}, started {when}{run})"
 
 
 def _in_use(workdir: str, info: dict, how: str) -> ValueError:
@@ -210,6 +203,42 @@ class _Bucket:
         return _parse(data)
 
 
+# ----------------------------------------------------------------------------- directories outside the workdir
+
+# The workdir's entries a run writes into, and whether each is a directory (locked inside) or a file
+# (locked in the directory that really holds it).
+# (Not data/: a prepared corpus that several workdirs link to is read, and shared on purpose.)
+WRITTEN = ((paths.Workdir.CHECKPOINTS, True), (paths.Workdir.TENSORBOARD, True), (paths.Workdir.PROFILE, True),
+           (paths.Workdir.METRICS, False), (paths.Workdir.CONFIG, False))
+
+
+def elsewhere(workdir: str) -> list[tuple[str, str]]:
+    """(entry, real directory) for each directory a run in local `workdir` writes that is not the
+    workdir itself: an entry that is a symlink, or a mount point (a volume, a bind mount). Two
+    workdirs whose checkpoints/ lead to one directory would otherwise each hold its own lock and
+    overwrite each other's steps; `WorkdirLock` also locks `<real directory>/lock.json` of each."""
+    root = os.path.realpath(workdir)
+    mounts = None
+    out = {}
+    for name, is_dir in WRITTEN:
+        entry = os.path.join(workdir, name)
+        if not os.path.lexists(entry):
+            continue  # made later, inside the workdir: its lock covers it
+        real = os.path.realpath(entry)
+        directory = real if is_dir else os.path.dirname(real)
+        if is_dir and not os.path.isdir(real):
+            continue
+        if directory == (os.path.join(root, name) if is_dir else root):
+            if not is_dir:
+                continue
+            mounts = paths.mount_points() if mounts is None else mounts
+            if real not in mounts:
+                continue
+        if directory != root:
+            out.setdefault(directory, entry)
+    return [(entry, real) for real, entry in sorted(out.items())]
+
+
 # ----------------------------------------------------------------------------- the lock
 
 _HELD: list[WorkdirLock] = []  # the locks this process holds, for `check()`
@@ -234,7 +263,9 @@ class WorkdirLock:
         self.held = False
         self.lost: str | None = None
         self.info = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(),
-                     "started": time.time(), "argv": list(sys.argv), "token": uuid.uuid4().hex}
+                     "started": time.time(), "argv": list(sys.argv), "token": uuid.uuid4().hex,
+                     "workdir": workdir if self.cloud else os.path.abspath(workdir)}
+        self._elsewhere: list[WorkdirLock] = []  # the locks of the run's directories outside the workdir
         self._fd: int | None = None
         self._store: _Bucket | None = None
         self._generation: str | None = None
@@ -261,11 +292,24 @@ class WorkdirLock:
                 raise OSError(errno.EIO, f"{type(err).__name__}: {err}") from None
         else:
             self._acquire_local()
+            try:
+                for entry, real in elsewhere(self.workdir):
+                    sub = WorkdirLock(real)
+                    sub.info["workdir"] = self.info["workdir"]  # who holds it, as another run's message names it
+                    sub.reached_as = entry
+                    sub._acquire_local()
+                    self._elsewhere.append(sub)
+            except BaseException:
+                self._release_elsewhere()
+                self._release_local()
+                raise
         self.held = True
         _HELD.append(self)
         self._thread = threading.Thread(target=self._heartbeat, name=f"lock {self.path}", daemon=True)
         self._thread.start()
         return self
+
+    reached_as: str | None = None  # a lock of a directory outside a workdir: the workdir's entry that leads there
 
     def _acquire_local(self):
         for _ in range(20):  # a new round only when the file was removed between open and lock
@@ -275,7 +319,9 @@ class WorkdirLock:
                     _set_lock(fd, True)
                 except OSError as err:
                     if err.errno in (errno.EACCES, errno.EAGAIN):
-                        raise _in_use(self.workdir, _read_fd(fd), f"holds {self.path}") from None
+                        where = self.workdir if self.reached_as is None else \
+                            f"{self.reached_as} (really {self.workdir}, which another workdir's run also writes)"
+                        raise _in_use(where, _read_fd(fd), f"holds {self.path}") from None
                     if err.errno == errno.ESTALE:  # NFS: removed by its holder meanwhile
                         os.close(fd)
                         continue
@@ -356,13 +402,14 @@ class WorkdirLock:
         period = self.lease_s / RENEWALS_PER_LEASE
         while not self._stop.wait(period):
             if not self.cloud:
-                try:
-                    same = _same_file(self._fd, self.path)
-                except OSError:  # an NFS hiccup: look again at the next beat
-                    continue
-                if not same:
-                    self.lost = f"{self.path} was removed or replaced while this run held it"
-                    return
+                for lock in (self, *self._elsewhere):
+                    try:
+                        same = _same_file(lock._fd, lock.path)
+                    except OSError:  # an NFS hiccup: look again at the next beat
+                        continue
+                    if not same:
+                        self.lost = f"{lock.path} was removed or replaced while this run held it"
+                        return
                 continue
             sent = time.monotonic()
             try:
@@ -415,6 +462,14 @@ class WorkdirLock:
                     print(f"warning: could not remove the lock {self.path} ({err}); another run can take it "
                           f"once its lease of {self.lease_s:.0f} s has run out", file=sys.stderr)
             return
+        self._release_elsewhere()
+        self._release_local()
+
+    def _release_elsewhere(self):
+        while self._elsewhere:
+            self._elsewhere.pop()._release_local()
+
+    def _release_local(self):
         try:
             if _same_file(self._fd, self.path):
                 os.unlink(self.path)  # while still locked: a process that opened it starts over

@@ -74,19 +74,31 @@ class SaveTimer:
 
 
 class Preemption:
-    """SIGTERM sets a flag; the loop saves a checkpoint after the step in flight and exits."""
+    """SIGTERM, or the first SIGINT (Ctrl-C: `cli.graceful_stop`), sets a flag; the loop saves a
+    checkpoint after the step in flight (or lets the save of that step already in flight finish)
+    and exits; `interrupted`: it was SIGINT (exit 130). Several hosts agree on the step through
+    jax's preemption sync point, which hears SIGTERM: a SIGINT is passed on to it as one."""
 
     def __init__(self):
-        self.requested = False
-        self._previous = None
+        self.requested = self.interrupted = False
+        self._previous = self._stop = None
 
     def __enter__(self):
         if jax.process_count() == 1:  # several hosts agree through jax's preemption sync point
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._stop = cli.graceful_stop(self._on_sigint)
+        self._stop.__enter__()
         return self
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def _on_sigint(self):
+        self.interrupted = True
+        if jax.process_count() > 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # to jax's preemption notifier
+        else:
+            self.requested = True
 
     def reached(self, step: int) -> bool:
         if jax.process_count() > 1:
@@ -96,6 +108,7 @@ class Preemption:
         return self.requested
 
     def __exit__(self, *exc):
+        self._stop.__exit__(*exc)
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
 
@@ -431,6 +444,32 @@ def _remove_new(workdir: str, before: set[str] | None):
             pass
 
 
+def config_edits(path: str, checkpoints: str) -> str:
+    """The keys in which an existing config.json differs from the config saved with the newest
+    checkpoint, which the run that wrote the file also saved: a hand edit ("" when none, or no
+    file or checkpoint to compare)."""
+    if not paths.exists(path) or not paths.isdir(checkpoints):
+        return ""
+    newest = Checkpoints(checkpoints, read_only=True).newest_config()
+    if newest is None:
+        return ""
+    try:
+        written = json.loads(paths.read_text(path))
+    except (OSError, ValueError):
+        return "it no longer reads as JSON"
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in (d.items() if isinstance(d, dict) else ()):
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    old, new = flat(newest[1]), flat(written)
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    listed = ", ".join(f"{k}: {old.get(k, '-')!r} → {new.get(k, '-')!r}" for k in keys[:5])
+    return listed + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
 def open_data(cfg, data_dir: str):
     """The run's data opened and checked once (`pipeline.RunData`): made by data.tokenizer, the
     train split, ids below model.vocab_size too, and the validation windows."""
@@ -498,17 +537,20 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     check_resume(cfg, run, workdir, data)  # the same run, or exit 2 before any write
     fresh = not paths.is_cloud(workdir) and not os.path.exists(workdir)
+    # From the lock on, a first SIGINT (Ctrl-C) stops at the next safe point of the start-up (`_run`),
+    # never inside a write: the workdir is left as a refused start leaves it.
     try:
-        lock = take_lock(workdir)
-        try:
-            check_resume(cfg, run, workdir, data)  # again, now that no other run can write meanwhile
-            if jax.process_count() > 1:  # every process has read the workdir before any writes to it
-                from jax.experimental import multihost_utils
+        with cli.graceful_stop() as startup:
+            lock = take_lock(workdir)
+            try:
+                check_resume(cfg, run, workdir, data)  # again, now that no other run can write meanwhile
+                if jax.process_count() > 1:  # every process has read the workdir before any writes to it
+                    from jax.experimental import multihost_utils
 
-                multihost_utils.sync_global_devices("resume checked")
-            return _train(cfg, run, workdir, progress, data)
-        finally:
-            lock.release()
+                    multihost_utils.sync_global_devices("resume checked")
+                return _train(cfg, run, workdir, progress, data, startup)
+            finally:
+                lock.release()
     finally:
         if fresh:  # a start refused before its first step leaves no empty workdir either
             try:
@@ -517,7 +559,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
                 pass
 
 
-def _train(cfg, run, workdir: str, progress: bool, data=None) -> dict:
+def _train(cfg, run, workdir: str, progress: bool, data=None, startup=None) -> dict:
     # The whole run, its failure and the waits after it inside the filter: Orbax's writers fail in
     # their own threads, and a failure waits for them (`Checkpoints.stop`), so they report in here.
     with without_orbax_tracebacks():
@@ -525,7 +567,7 @@ def _train(cfg, run, workdir: str, progress: bool, data=None) -> dict:
         held = {}  # what `_run` opened: "ckpts", "log", "bar", "profiler"; "stepping" once start-up is done
         failed = True
         try:
-            result = _run(cfg, run, workdir, progress, held, data)
+            result = _run(cfg, run, workdir, progress, held, data, startup or cli.GracefulStop())
             failed = False
             return result
         finally:
@@ -552,13 +594,24 @@ def _still_locked() -> bool:
     return True
 
 
-def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
+def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=None) -> dict:
+    """`startup`: the start-up's `cli.GracefulStop`, checked at its safe points (a SIGINT before
+    the first step stops the start there, and `_train` leaves the workdir as it found it)."""
     from tqdm import tqdm
 
     from onona_jax.data import pipeline
 
     flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)  # the family's count, before any write
     wd = paths.Workdir(workdir)
+
+    def check_startup(resume_from=None):
+        """A safe point of the start-up: stop here if a SIGINT came."""
+        if startup.requested and resume_from is None and paths.isdir(wd.checkpoints):  # (not restored yet)
+            resume_from = max((int(p.name) for p in paths.path(wd.checkpoints).iterdir() if p.name.isdigit()),
+                              default=None)
+        startup.check(f"stopped during start-up, before the first step; {workdir} is left as it was (rerun the same "
+                      f"command to {f'resume from step {resume_from}' if resume_from else 'start'})")
+
     check_writable(wd.checkpoints)
     profiler = held["profiler"] = Profiler(cfg, workdir)
     profiler.check()
@@ -570,8 +623,14 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
         what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
         raise cli.Failure(f"could not prepare or check the data for {workdir} ({what}); free space (or fix "
                           "that file's permissions), then rerun the same command") from None
+    check_startup()
     val_windows = data.val_windows
     if jax.process_index() == 0:
+        edited = config_edits(wd.config, wd.checkpoints)
+        if edited:
+            print(f"warning: {wd.config} differs from the config saved with the newest checkpoint ({edited}): "
+                  "edited by hand? It records a run's config and is never read back, so the edit is ignored and "
+                  "the file rewritten with this run's config; change a run with --config flags", file=sys.stderr)
         try:  # atomic: a failed write leaves the old config.json
             paths.write_json(wd.config, json.loads(cfg.to_json()))
         except OSError as err:
@@ -597,6 +656,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
         start, state, data_state, _ = restored
         batches.set_state(data_state)
         print(f"resumed from step {start} in {ckpts.directory}", file=sys.stderr)
+    check_startup(start)
 
     evaluator = Evaluator(run.graphdef, run.mesh, run.param_shardings)
     train_step = make_train_step(run)
@@ -708,6 +768,10 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
                 paused["compile_s"] += time.perf_counter() - began
                 if cfg.train.compile_cache:
                     first_step["compile_cache_hits"] = compile_cache.hits() - hits
+                if startup.requested or preempt.interrupted:  # a Ctrl-C in the start-up or the compile:
+                    startup.requested = True  # the step is not kept, and the workdir left as a refused start leaves it
+                    del held["stepping"]
+                    check_startup(start)
             else:
                 state, metrics = train_step(state, batch)
             paused["profile_s"] += profiler.after(step, state, last=step == run.steps)
@@ -725,12 +789,17 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None) -> dict:
             elif step % cfg.train.log_every == 0 and save_timer.due():
                 save(step, timer=True)
             if preempt.reached(step) and step != run.steps:
-                save(step)
+                if ckpts.saved != step:  # (not when this step's scheduled save is in flight: it is waited for)
+                    save(step)
                 wait()
-                print(f"pre-empted: saved step {step}; rerun the same command to resume",
-                      file=sys.stderr)
-                return {"step": step, "preempted": True}
+                tqdm.write(f"{'interrupted' if preempt.interrupted else 'pre-empted'}: saved step {step}; rerun "
+                           "the same command to resume", file=sys.stderr)  # (on a line of its own, not the bar's)
+                return {"step": step, "preempted": True, **({"interrupted": True} if preempt.interrupted else {})}
         wait()
+        if preempt.interrupted:  # in the last step or its save: the final validation is left to the rerun
+            tqdm.write(f"interrupted: saved step {run.steps}, the last; rerun the same command for the final "
+                       "validation", file=sys.stderr)
+            return {"step": run.steps, "preempted": True, "interrupted": True}
         result = validate(run.steps, variants(cfg.model))
     result["step"] = run.steps
     return result

@@ -43,6 +43,9 @@ class Run:
         return sharding.data_parallel_size(self.mesh)
 
 
+MAX_STEPS = 2**31 - 1
+
+
 def setup(cfg, devices=None) -> Run:
     """Validate `cfg` against this run's devices and derive the mesh, shardings and optimizer.
     Raises ValueError before anything is compiled or written."""
@@ -76,6 +79,9 @@ def setup(cfg, devices=None) -> Run:
     steps = summary.budget(cfg)["steps"]
     if steps <= 0:
         raise ValueError(f"train.steps resolves to {steps}; it must be positive")
+    if steps > MAX_STEPS:  # the step counter (optax's count, the schedule's step) is an int32
+        raise ValueError(f"train.steps resolves to {steps:,}, more than the {MAX_STEPS:,} steps a run's int32 step "
+                         "counter holds; give fewer steps (or a larger train.global_batch)")
     tx, schedule = optimizer.make_optimizer(cfg, steps, logical)
 
     param_shardings = sharding.named_shardings(logical, mesh)
