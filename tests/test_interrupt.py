@@ -7,7 +7,6 @@ during the first step's compile; the battery (`benchmarks/faults.py --groups=int
 validation, eval.py, export, generate, import_hf and the sweep.
 """
 
-import json
 import lzma
 import os
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from test_resume import metrics as rows  # metrics.jsonl's whole lines
 
 CONFIG = "configs/paper.py:dense-tiny-twin"
 STEPS = 10
@@ -73,14 +73,6 @@ def wait_for(cond, p, log: Path, what: str, timeout=180, poll=0.003):
             p.kill()
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(poll)
-
-
-def rows(workdir: Path) -> list[dict]:
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(ln) for ln in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def losses(workdir: Path) -> dict[int, list[float]]:

@@ -453,18 +453,13 @@ def config_edits(path: str, checkpoints: str) -> str:
     newest = Checkpoints(checkpoints, read_only=True).newest_config()
     if newest is None:
         return ""
+    from onona_jax.config import flatten
+
     try:
         written = json.loads(paths.read_text(path))
     except (OSError, ValueError):
         return "it no longer reads as JSON"
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in (d.items() if isinstance(d, dict) else ()):
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    old, new = flat(newest[1]), flat(written)
+    old, new = flatten(newest[1]), flatten(written if isinstance(written, dict) else {})
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     listed = ", ".join(f"{k}: {old.get(k, '-')!r} → {new.get(k, '-')!r}" for k in keys[:5])
     return listed + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
