@@ -672,18 +672,26 @@ def _rename_aside(src: str, directory: str, name: str, folders: int = 10) -> str
     raise OSError(f"tried {'; '.join(tried)}")
 
 
-def _listed(list_steps, tries: int = 5):
+LISTING_RETRY_S = 30.0  # how long a reader keeps listing while a live run's rotation races it
+
+
+def _listed(list_steps, within_s: float = LISTING_RETRY_S):
     """`list_steps()` (a CheckpointManager made or reloaded), listed again when a step vanished
     under it: Orbax lists the step directories, then reads each one's metadata and mtime in
     threads, so a step a live run's rotation deletes in between raises FileNotFoundError from
-    that read. A fresh listing no longer holds it; a directory that stays missing still raises."""
-    for attempt in range(tries):
+    that read. A fresh listing no longer holds it. Retried for `within_s` seconds, not a fixed
+    number of times: a run saving every step on a loaded host can race several listings in a
+    row (CI's battery lost five tries). A listing still racing after that raises. (A missing
+    checkpoints directory is no race: Orbax lists it as empty.)"""
+    deadline, pause = time.monotonic() + within_s, 0.05
+    while True:
         try:
             return list_steps()
         except FileNotFoundError:
-            if attempt == tries - 1:
+            if time.monotonic() > deadline:
                 raise
-            time.sleep(0.05 * (attempt + 1))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
 
 def _orbax_threads() -> list[threading.Thread]:

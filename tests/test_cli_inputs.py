@@ -335,3 +335,27 @@ def test_a_step_deleted_between_orbax_listing_it_and_reading_its_metadata(copy_r
     assert len(deleted) == 1 and "Traceback" not in err, err
     assert "step 2]" in out, out
     assert tree_digest(copy_run) == deleted[0]  # the reader changed nothing
+
+
+def test_a_listing_raced_many_times_in_a_row_is_listed_again_until_it_is_not(monkeypatch):
+    """On a loaded CI host a run saving every step raced generate's listing five times in a row,
+    and the fifth FileNotFoundError came out as a traceback. The reader lists again for
+    LISTING_RETRY_S seconds, however many races that takes, and raises only past it."""
+    monkeypatch.setattr(checkpoint.time, "sleep", lambda s: None)
+    races = []
+
+    def listing(n):
+        def list_steps():
+            if len(races) < n:
+                races.append(1)
+                raise FileNotFoundError(2, "No such file or directory", "checkpoints/4")
+            return [2, 6]
+        return list_steps
+
+    assert checkpoint._listed(listing(20)) == [2, 6] and len(races) == 20
+    races.clear()
+    clock = iter(range(0, 10_000, 10))  # each look at the clock: 10 s later
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: next(clock))
+    with pytest.raises(FileNotFoundError):
+        checkpoint._listed(listing(10**6), within_s=30)
+    assert len(races) == 4  # tried at 10, 20, 30 s; the fourth failure, at 40 s, is past the deadline
