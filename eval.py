@@ -13,6 +13,9 @@ release's file name under `--task_data_dir` (see `onona_jax.eval.tasks.DEFAULT_F
 Writes JSON to PATH, by default DIR/eval/step_<N>.json: the config name and step, the
 validation keys at the top level as before, and under "tasks" one entry per task (its
 metrics, sample count, and the data file's path and sha256).
+
+The training loop scores the same tasks during training (`train.tasks`) through the same code,
+`onona_jax.eval.tasks.Downstream`.
 """
 
 import json
@@ -45,13 +48,9 @@ def define(fv, argv):
 
 
 def parse_task_data(items) -> dict:
-    out = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--task_data entry {item!r}: use name=PATH")
-        out[name.strip()] = path.strip()
-    return out
+    from onona_jax.eval import tasks  # (here, not at the top: --help stays fast without jax)
+
+    return tasks.parse_task_data(items)
 
 
 def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data=None, data_dir=None,
@@ -76,10 +75,11 @@ def evaluate(workdir: str, step=None, mesh=(-1, 1, 1), names=("val",), task_data
     if "val" in names:
         result = evaluation.validation(workdir, mesh=mesh, devices=devices, loaded=loaded)
     if downstream:
-        scorer = tasks.Scorer.from_params(params, cfg, grid, batch_size=batch, max_length=max_length, progress=True)
         result.setdefault("config", cfg.name)
         result.setdefault("step", step)
-        result["tasks"] = tasks.evaluate(scorer, downstream, task_files, shots=shots, limit=limit)
+        # The training loop's train.tasks scores through the same `Downstream` (one code path).
+        result["tasks"] = tasks.Downstream(cfg, grid, downstream, task_files, batch=batch, max_length=max_length,
+                                           shots=shots, limit=limit, progress=True)(params)
     return result
 
 

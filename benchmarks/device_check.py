@@ -69,15 +69,24 @@ FAMILY_VARIANTS = (
 )
 
 
+# Packed documents (data.packing=documents, issue 40): twin, fused loss, its document masks in
+# cuDNN's kernel and in XLA's, against fused+cudnn and fused+xla on the same batch (windows).
+PACKED_VARIANTS = (("documents+cudnn", "cudnn"), ("documents+xla", "xla"))
+
+
 def plan():
     """(key, head, variant kwargs) in run order: the fused losses first (both heads), then the
-    families, then the vocabulary-tiled and plain losses, so a budget cut loses the least asked."""
+    families and packed documents, then the vocabulary-tiled and plain losses, so a budget cut
+    loses the least asked."""
     dense = [(f"{h}/{name}", h, dict(loss=loss, chunk=chunk, attention=attention))
              for h in HEADS for name, loss, chunk, attention in variants()]
     first = [d for d in dense if d[2]["loss"] == "fused"]
     families = [(f"twin/{name}", "twin", dict(loss="fused", chunk=None, attention="xla", arch=arch, overrides=o))
                 for name, arch, o in FAMILY_VARIANTS]
-    return first + families + [d for d in dense if d[2]["loss"] != "fused"]
+    packed = [(f"twin/{name}", "twin", dict(loss="fused", chunk=None, attention=attention,
+                                             overrides={"data.packing": "documents"}))
+              for name, attention in PACKED_VARIANTS]
+    return first + families + packed + [d for d in dense if d[2]["loss"] != "fused"]
 
 
 def peak_allocated():

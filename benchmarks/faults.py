@@ -195,7 +195,7 @@ class Bench:
                         # (whose default this gives; BASE caches every program) and --compile_cache.
                         ONONA_COMPILE_CACHE=str(root / "jax-cache"))
         self.n = 0
-        self._data = self._run_dir = self._hf = None
+        self._data = self._run_dir = self._hf = self._other = self._mixture_run = None
         self.gcs = None
 
     def path(self, name: str) -> Path:
@@ -271,6 +271,29 @@ class Bench:
         dst = self.path(name)
         shutil.copytree(self.run_dir, dst)
         return dst
+
+    def mixture(self, weights=(0.5, 0.5), **dirs) -> dict:
+        """Overrides training on a mixture: source `a` the battery's data, `b` it prepared with
+        another split seed (other data), unless `dirs` names them otherwise."""
+        if self._other is None:
+            self._other = self.root / "other-split-data"
+            res = self.prepare([self.corpus], self._other, "--seed=7")
+            if res.rc != 0:
+                raise RuntimeError(f"preparing the battery's second data dir failed: {res.tail()}")
+        dirs = {"a": self.data, "b": self._other, **dirs}
+        entries = ",".join(f"{n}:{d}:{w}" for (n, d), w in zip(dirs.items(), weights))
+        return {"data.dir": "", "data.mixture": entries}
+
+    @property
+    def mixture_run(self) -> Path:
+        """A finished 4-step run on `mixture()` (checkpoints at steps 2 and 4)."""
+        if self._mixture_run is None:
+            wd = self.root / "base-mixture-run"
+            res = self.train(wd, **self.mixture())
+            if res.rc != 0:
+                raise RuntimeError(f"the battery's mixture run failed: {res.tail()}")
+            self._mixture_run = wd
+        return self._mixture_run
 
     @property
     def hf_folder(self) -> Path:
@@ -672,6 +695,74 @@ def refused_start_leaves_nothing(b: Bench):
     wd.mkdir()
     one_error(b.train(wd, data=data), 2, shard.name)
     expect(digest(wd) == {}, f"the refused start left {sorted(digest(wd))}")
+
+
+# -- mixtures (issue 40 item 7)
+
+
+@case("mixture", "train.py --config.data.mixture=a:<data>:0.5,b:<missing>:0.5", "a mixture source missing",
+      "exit 2 naming the source and prepare; no workdir")
+def mixture_source_missing(b: Bench):
+    wd, missing = b.path("wd"), b.path("missing")
+    one_error(b.train(wd, **b.mixture(b=missing)), 2, "data.mixture source 'b'", str(missing), "onona_jax.data.prepare")
+    expect(not wd.exists(), f"{wd} was created")
+
+
+def _bad_weight(weight):
+    def fn(b: Bench):
+        wd = b.path("wd")
+        one_error(b.train(wd, **b.mixture((0.5, weight))), 2, f"data.mixture source 'b' has weight {weight}",
+                  "must be positive")
+        expect(not wd.exists(), f"{wd} was created")
+    fn.__name__ = f"mixture_weight_{'zero' if weight == 0 else 'negative'}"
+    return fn
+
+
+for _weight in (0, -0.5):
+    case("mixture", f"train.py --config.data.mixture=a:<data>:0.5,b:<data>:{_weight}", "a weight that is not positive",
+         "exit 2 naming the source and the weight; no workdir")(_bad_weight(_weight))
+
+
+@case("mixture", "train.py --config.data.mixture=a:<data>:0.5,b:<other>:0.5", "b prepared with another tokenizer",
+      "exit 2 naming source b and the tokenizers; no workdir")
+def mixture_other_tokenizer(b: Bench):
+    other = b.path("other-tokenizer")
+    shutil.copytree(b.data, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"] = {"kind": "hf", "name": "llama3", "sha256": "ab" * 32, "vocab": 50257, "eot": 0,
+                             "config": {"tokenizer": "/models/llama3/tokenizer.json"}}
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    wd = b.path("wd")
+    one_error(b.train(wd, **b.mixture(b=other)), 2, "data.mixture source 'b'", "/models/llama3/tokenizer.json",
+              "data.tokenizer is gpt2")
+    expect(not wd.exists(), f"{wd} was created")
+
+
+@case("mixture", "train.py --config.data.mixture=<new weights>", "a mixture run resumed from step 2 with other weights",
+      "exit 0; the change recorded in metrics.jsonl")
+def mixture_reweighted(b: Bench):
+    wd = b.path("run")
+    shutil.copytree(b.mixture_run, wd)
+    shutil.rmtree(wd / "checkpoints" / "4")
+    ok(b.train(wd, **b.mixture((0.25, 0.75))))
+    rows = [json.loads(ln) for ln in (wd / "metrics.jsonl").read_text().splitlines()]
+    changes = [r for r in rows if "mixture_change" in r]
+    expect([(r["step"], r["mixture_change"]) for r in changes] == [(2, {"from": {"a": 0.5, "b": 0.5},
+                                                                        "to": {"a": 0.25, "b": 0.75}})],
+           f"metrics.jsonl records {changes}")
+
+
+@case("mixture", "train.py --config.data.mixture=<other sources>", "a mixture run resumed with a source replaced",
+      "exit 2 naming the run's mixture and --workdir; unchanged")
+def mixture_sources_changed(b: Bench):
+    wd = b.path("run")
+    shutil.copytree(b.mixture_run, wd)
+    before = digest(wd)
+    run_mixture = b.mixture()["data.mixture"]
+    renamed = {**b.mixture(), "data.mixture": run_mixture.replace("b:", "c:")}  # a source the run did not have
+    one_error(b.train(wd, **renamed), 2, "may not change on resume", f"--config.data.mixture={run_mixture}",
+              "--workdir")
+    unchanged(before, wd)
 
 
 # -- checkpoints (issue 12 items 4 and 8)

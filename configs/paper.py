@@ -155,6 +155,8 @@ def _cells(*cells):
     return tuple((*c, *(None, {}, "")[len(c) - 2:]) for c in cells)
 
 
+_DOCS = {"data.packing": "documents"}  # the context grid's arms on packed documents (onona_jax/packing.py)
+
 GRIDS = {
     "headline": dict(
         doc="onóna vs Standard (Dense): the paper's headline pair; at --size=micro with a BPE of the corpus, "
@@ -224,13 +226,17 @@ GRIDS = {
     ),
     "context": dict(
         doc="Longer contexts (Dense, 142M): twin vs Standard at the size's context (1,024 tokens) and 4× it "
-            "(4,096), the batch in tokens kept",
+            "(4,096), the batch in tokens kept; each both ways, on the paper's windows across documents and "
+            "on packed documents (data.packing=documents: at 4,096 tokens most windows hold several)",
         archs=("dense",), sizes=("142m",),
         cells=_cells(
             ("standard", "standard", None, {}, "1x"), ("twin", "twin", None, {}, "1x"),
             ("standard-4x", "standard@4x", None, {}, "4x"), ("twin-4x", "twin@4x", None, {}, "4x"),
+            ("standard-docs", "standard", None, _DOCS, "1x-docs"), ("twin-docs", "twin", None, _DOCS, "1x-docs"),
+            ("standard-4x-docs", "standard@4x", None, _DOCS, "4x-docs"),
+            ("twin-4x-docs", "twin@4x", None, _DOCS, "4x-docs"),
         ),
-        baseline=("standard", "standard-4x"),
+        baseline=("standard", "standard-4x", "standard-docs", "standard-4x-docs"),
         # Does twin's gain change with the context? (twin − standard at 4×) − (at 1×), paired by seed.
         interaction=dict(baseline="standard", input="standard-4x", output="twin", both="twin-4x"),
     ),

@@ -17,8 +17,11 @@
   picks what the slice will run.
 
 Every backend takes q [B, T, N, hd] and k, v [B, T, K, hd] (query head n reads KV head
-n // (N/K)) and scales by hd^-½. The KV-cache decoding path (`layers.cached_attention`) is plain
-XLA on every backend: one query row against the cache has no score matrix to fuse away.
+n // (N/K)) and scales by hd^-½. With `segments` (int32 [B, T], the document id of each token of
+a packed row: `packing.documents`) query i sees key j iff j <= i and both are of one document;
+without them (None) the program is exactly the causal one. The KV-cache decoding path
+(`layers.cached_attention`) is plain XLA on every backend: one query row against the cache has
+no score matrix to fuse away.
 """
 
 from __future__ import annotations
@@ -68,29 +71,67 @@ def resolve(impl: str | None, dtype) -> str:
     return impl
 
 
-def causal_attention(q, k, v, impl: str | None = "auto"):
-    """Causal grouped-query attention by `impl` (see the module docstring) → [B, T, N, hd]."""
+def causal_attention(q, k, v, impl: str | None = "auto", segments=None):
+    """Causal grouped-query attention by `impl` (see the module docstring) → [B, T, N, hd];
+    with `segments` (int32 [B, T]) also within each document only."""
     impl = resolve(impl, q.dtype)
+    if segments is not None:
+        check_segments(segments, q)
     if impl == "splash":
-        return splash_attention(q, k, v, interpret=sharding.platform() != "tpu")  # off TPU: Pallas interpret mode
+        # off TPU: Pallas interpret mode
+        return splash_attention(q, k, v, interpret=sharding.platform() != "tpu", segments=segments)
     if impl == "xla" and sharding.platform() == "cpu":
-        return _query_blocked(q, k, v)
+        return _query_blocked(q, k, v, segments)
+    if segments is None:
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
+    # The whole square with a [B, 1, T, T] bool mask (shared by the heads). For cuDNN, jax 0.10.2
+    # offers two document forms: this mask, which it turns into an additive bias in the compute
+    # dtype (bf16 [B, 1, T, T]; is_causal still lets the kernel skip the upper tiles), and the
+    # packed layout (`q_offsets`/`kv_offsets` with per-document lengths), which builds no [T, T]
+    # array but in 0.10.2 (a) scales the KV offsets by the query heads' stride, silently wrong
+    # under GQA (fixed upstream by jax-ml/jax#39521), (b) checks for a live Hopper GPU while
+    # tracing, so a deviceless compile for a GPU host cannot trace it, and (c) needs a static
+    # bound on documents per row. Hence the mask: compiled deviceless for an H100 host it is
+    # cuDNN's `fmhaScaleBiasSoftmax` and its backward (which also writes an unused dbias); jax's
+    # own tests run this mask only broadcast over the batch, so confirm [B, 1, T, T] on a GPU.
+    same = segments[:, None, :, None] == segments[:, None, None, :]
     return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
+        q, k, v, mask=same, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
 
 
-def _query_blocked(q, k, v):
-    """XLA causal attention by blocks of query rows, block [a, b) against keys [0, b) only."""
+def check_segments(segments, q) -> None:
+    """Segments must be int32 [B, T] of q's rows: caught here, before a kernel fails obscurely
+    (or a wider or float id compares wrongly)."""
+    shape, dtype = getattr(segments, "shape", None), getattr(segments, "dtype", None)
+    if shape is None or tuple(shape) != tuple(q.shape[:2]) or dtype != jnp.int32:
+        raise ValueError(
+            f"attention segments must be an int32 array [B, T] = {list(q.shape[:2])} (the document id of each "
+            f"token, as onona_jax.packing.documents returns), got "
+            f"{getattr(dtype, 'name', type(segments).__name__)} {list(shape) if shape is not None else ''}; "
+            "cast with .astype(jnp.int32) or pass segments=None for plain causal attention")
+
+
+def _query_blocked(q, k, v, segments=None):
+    """XLA causal attention by blocks of query rows, block [a, b) against keys [0, b) only;
+    with segments each block's mask also keeps only keys of the query's own document."""
     T, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
     block = max(CPU_QUERY_BLOCK, -(-T // CPU_QUERY_BLOCKS))
     if T <= block:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
+        if segments is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
+        same = segments[:, None, :, None] == segments[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, scale=scale, implementation="xla")
     outs = []
     for a in range(0, T, block):
         b = min(a + block, T)
         mask = jnp.arange(a, b)[:, None] >= jnp.arange(b)[None, :]
-        outs.append(jax.nn.dot_product_attention(q[:, a:b], k[:, :b], v[:, :b], mask=mask[None, None], scale=scale,
-                                                 implementation="xla"))
+        if segments is not None:  # [B, 1, b - a, b]: still only the keys [0, b) this block can see
+            mask = mask & (segments[:, a:b, None] == segments[:, None, :b])
+        # (the mask is reshaped after the slices, as before segments: the None program is unchanged)
+        outs.append(jax.nn.dot_product_attention(q[:, a:b], k[:, :b], v[:, :b],
+                                                 mask=mask[None, None] if segments is None else mask[:, None],
+                                                 scale=scale, implementation="xla"))
     return jnp.concatenate(outs, axis=1)
 
 
@@ -118,28 +159,39 @@ def _splash_kernel(heads: int, padded: int, block: int, interpret: bool):
                               residual_checkpoint_name=OUTPUT)
 
 
-def _splash_local(q, k, v, interpret: bool):
+def _splash_local(q, k, v, segments=None, *, interpret: bool):
     """Splash on one device's rows and heads: q [B, T, N, hd], k/v [B, T, K, hd]. The kernel
     takes GQA as is (KV head n // (N/K)), so K/V are never repeated. T pads up to the block
-    with keys no real query sees (causal) and queries whose rows are dropped."""
+    with keys no real query sees (causal) and queries whose rows are dropped. Segments go to
+    the kernel as its `SegmentIds`, compared tile by tile in VMEM (no [T, T] mask anywhere),
+    with the causal blocks still skipped."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
     B, T, N, H = q.shape
     block, padded = splash_block(T)
     q = q * jnp.asarray(1.0 / math.sqrt(H), q.dtype)  # splash does not scale
     pad = [(0, 0), (0, padded - T), (0, 0), (0, 0)]
     q, k, v = (jnp.pad(a, pad).transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, heads, T', hd]
     kernel = _splash_kernel(N, padded, block, interpret)
-    out = jax.vmap(kernel)(q, k, v)  # [B, N, T', hd]
+    if segments is None:
+        out = jax.vmap(kernel)(q, k, v)  # [B, N, T', hd]
+    else:
+        if padded > T:  # the padded tail is a document of its own: each padded query sees itself, no real one
+            tail = jnp.max(segments, axis=1, keepdims=True) + 1
+            segments = jnp.concatenate([segments, jnp.broadcast_to(tail, (B, padded - T))], axis=1)
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sa.SegmentIds(q=s, kv=s)))(q, k, v, segments)
     return out.transpose(0, 2, 1, 3)[:, :T]
 
 
-def splash_attention(q, k, v, interpret: bool = False):
+def splash_attention(q, k, v, interpret: bool = False, segments=None):
     """Splash attention, sharded as the rules table shards the activations: rows over the batch
     axes and heads over the `act_heads` axis, one kernel per device inside `shard_map` (the
-    kernel has no partitioning rule of its own). The sequence stays whole on each device."""
+    kernel has no partitioning rule of its own). The sequence stays whole on each device;
+    `segments` [B, T] are split with the rows."""
     found = sharding.active()
     N, K = q.shape[2], k.shape[2]
     if found is None or found[0].size == 1:
-        return _splash_local(q, k, v, interpret)
+        return _splash_local(q, k, v, segments, interpret=interpret)
     mesh, rules = found
     batch = sharding.logical_to_mesh(P("batch"), rules)[0]
     heads = sharding.logical_to_mesh(P("act_heads"), rules)[0]
@@ -152,9 +204,13 @@ def splash_attention(q, k, v, interpret: bool = False):
     n_batch = math.prod(mesh.shape[a] for a in ((batch,) if isinstance(batch, str) else batch or ()))
     # The train step's rows always divide the batch axes; a scoring batch that does not (an eval
     # task's last batch) runs whole on each device group rather than fail.
-    spec = P(batch if q.shape[0] % n_batch == 0 else None, None, heads, None)
-    return jax.shard_map(functools.partial(_splash_local, interpret=interpret), mesh=mesh,
-                         in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+    rows = batch if q.shape[0] % n_batch == 0 else None
+    spec = P(rows, None, heads, None)
+    local = functools.partial(_splash_local, interpret=interpret)
+    if segments is None:
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
+                         check_vma=False)(q, k, v, segments)
 
 
 def check_shape(impl: str | None, head_dim: int) -> list[str]:

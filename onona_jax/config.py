@@ -27,6 +27,7 @@ HEADS = tuple(heads_lib.HEADS)
 
 
 BUDGETS = ("tokens", "flops", "params")  # train.budget (summary.budget)
+PACKINGS = ("windows", "documents")  # data.packing (onona_jax/packing.py)
 
 
 def parse_reference(text: str, cfg_model) -> dict:
@@ -154,9 +155,27 @@ def base_config() -> ml_collections.ConfigDict:
     t.profile_start = 0
     t.profile_steps = 3
     t.profile_all_hosts = False  # False: process 0 alone traces
+    # Downstream tasks scored during training on the live parameters, by eval.py's code
+    # (onona_jax/eval/tasks: `Downstream`), logged as task/<name>/<metric>. tasks: eval.py's
+    # --tasks names, comma-separated, without val (that is train.eval_every's); "" = none.
+    # task_data ("name=PATH,...") and task_data_dir: where the files are, as eval.py's --task_data
+    # and --task_data_dir (nothing is bundled or downloaded); every host reads its own copy.
+    # tasks_every: steps between scorings, besides the last step's (0 = the last step only);
+    # tasks_limit: the first N examples of each task (MMLU: per subject), as eval.py's --limit; 0 = all.
+    # Scored at max_length = data.seq_len, eval.batch rows a batch, MMLU 5-shot (eval.py's
+    # numbers with --max_length=<data.seq_len> --task_batch=<eval.batch>).
+    t.tasks = ""
+    t.task_data = ""
+    t.task_data_dir = ""
+    t.tasks_every = 0
+    t.tasks_limit = 0
 
     c.data = dt = ml_collections.ConfigDict()
     dt.dir = ""  # prepared token shards; "" = the bundled corpus, prepared into the workdir; may be gs://...
+    # A weighted mixture of prepared data dirs instead of data.dir: "name:dir:weight,..." (e.g.
+    # "web:gs://bucket/web:0.7,code:/data/code:0.3"; weights relative), each source's batches'
+    # share within one slot of its weight, each scored apart (val_loss/<name>); data/mixture.py.
+    dt.mixture = ""
     dt.cache_dir = ""  # local copy of a bucket data.dir's shards; "" = <system temp dir>/onona-data-cache
     # How a bucket data.dir is read: "copy" = every shard copied whole into cache_dir, then memory-
     # mapped; "stream" = each host fetches only the blocks of its own rows by ranged reads, each
@@ -172,6 +191,12 @@ def base_config() -> ml_collections.ConfigDict:
     dt.tokenizer_pattern = ""
     dt.seq_len = 1024
     dt.seed = 0
+    # How documents share a window. "windows" (the paper's): each window of seq_len + 1 tokens is
+    # one sequence, attention, RoPE and GDN's state running across end-of-text tokens. "documents":
+    # each end-of-text token ends a document (onona_jax/packing.py): attention never crosses one,
+    # positions restart after it and GDN's state resets; the target after it (the next
+    # document's first token) is left out of the loss. The same batches either way.
+    dt.packing = "windows"
     # grain's reads: threads per process (0 = in the training loop's own thread) and batches
     # read ahead. The batches do not depend on either (grain keeps the order).
     dt.read_threads = 1
@@ -268,6 +293,7 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     if training:
         _validate_training(cfg, need, defaults)
     need(cfg.data.seq_len > 0, f"data.seq_len={cfg.data.seq_len} must be positive (tokens per window)")
+    _validate_mixture(cfg.data, need)
     need(cfg.eval.windows > 0, f"eval.windows={cfg.eval.windows} must be positive")
     need(cfg.eval.batch > 0, f"eval.batch={cfg.eval.batch} must be positive")
     need(cfg.eval.seed >= 0, f"eval.seed={cfg.eval.seed} must be zero or positive")
@@ -284,6 +310,19 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
              f"mesh.expert={cfg.mesh.expert} with model.moe.dispatch={m.moe.dispatch!r}: only the grouped "
              "dispatch sends tokens to experts on other devices; use model.moe.dispatch=grouped (or auto)")
     return cfg
+
+
+def _validate_mixture(data, need):
+    """data.mixture parses (data/mixture.py names what is wrong), and is not given beside data.dir."""
+    from onona_jax.data import mixture
+
+    try:
+        entries = mixture.parse(data.get("mixture", ""))
+    except ValueError as err:
+        need(False, f"{err} (data.mixture={data.mixture!r})")
+    need(not entries or not data.dir,
+         f"data.dir={data.dir!r} and data.mixture={data.mixture!r} are both given; data.mixture names every "
+         "source's data dir: give one of them (--config.data.dir='' with a mixture)")
 
 
 def _resolve_vocab(cfg, need):
@@ -314,6 +353,9 @@ def _validate_training(cfg, need, defaults):
     # jax.random.key and the data order take 32 bits (key(2**32) is key(0)).
     need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must lie in [0, 2**32)")
     need(0 <= cfg.data.seed < 2**32, f"data.seed={cfg.data.seed} must lie in [0, 2**32)")
+    need(cfg.data.get("packing", "windows") in PACKINGS,
+         f"data.packing={cfg.data.get('packing')!r} must be one of {', '.join(PACKINGS)} (\"windows\": the paper's "
+         "windows across documents; \"documents\": attention, positions and GDN's state restart at each document)")
     need(cfg.data.bucket_read in ("copy", "stream"),
          f"data.bucket_read={cfg.data.bucket_read!r} must be \"copy\" (shards copied to data.cache_dir) or "
          "\"stream\" (ranged, verified reads of each host's own rows)")
@@ -369,6 +411,15 @@ def _validate_training(cfg, need, defaults):
          "out the compile) or 0 (no trace)")
     need(isinstance(t.profile_steps, int) and t.profile_steps >= 1,
          f"train.profile_steps={t.profile_steps} must be a positive number of steps to trace")
+    # The task names and their files are checked at the run's start (train/downstream.py `resolve`,
+    # before any compile or write): the task registry lives in onona_jax.eval, a layer above this one.
+    for key in ("tasks", "task_data", "task_data_dir"):
+        need(isinstance(t[key], str), f"train.{key}={t[key]!r} must be a string (train.tasks: task names, "
+             "comma-separated; train.task_data: name=PATH,...; train.task_data_dir: a directory)")
+    need(isinstance(t.tasks_every, int) and t.tasks_every >= 0,
+         f"train.tasks_every={t.tasks_every} must be a number of steps between task scorings, or 0 (the last step only)")
+    need(isinstance(t.tasks_limit, int) and t.tasks_limit >= 0,
+         f"train.tasks_limit={t.tasks_limit} must be a number of examples per task, or 0 (all of them)")
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -382,6 +433,9 @@ RESUMABLE_KEYS = (
     "name",                  # a label
     "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)
     "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (loop.check_same_data)
+    # Its weights may change (recorded in metrics.jsonl); its sources, by name and identity, not
+    # (loop.check_same_data)
+    "data.mixture",
     "data.bucket_read",      # copied or streamed: the same batches
     "data.read_threads", "data.prefetch",  # how the batches are read, not which
     "train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
@@ -389,6 +443,8 @@ RESUMABLE_KEYS = (
     "train.peak_tflops",     # MFU's denominator
     "train.compile_cache", "train.compile_cache_min_s",  # where compiled programs are kept: not what they compute
     "train.profile_start", "train.profile_steps", "train.profile_all_hosts",  # a trace, read-only
+    # downstream tasks scored on the parameters, read-only: what is measured and when, not what is trained
+    "train.tasks", "train.task_data", "train.task_data_dir", "train.tasks_every", "train.tasks_limit",
     "train.micro_batch",     # gradient accumulation: the same global batch in other slices
     "eval.batch",            # rows per validation batch
     "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "mesh.slices",  # checkpoints restore onto any mesh

@@ -169,12 +169,13 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
         return rope(self.q_norm(q), positions, self.theta), rope(self.k_norm(k), positions, self.theta), v
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, segments=None):
+        """`segments` [B, T]: a query sees only keys of its own document (onona_jax/packing.py)."""
         dt = x.dtype
         q, k, v = self._qkv(x, positions)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         q, k, v = (checkpoint_name(a, QKV) for a in (q, k, v))
-        o = checkpoint_name(causal_attention(q, k, v, self.impl), ATTENTION_OUT)
+        o = checkpoint_name(causal_attention(q, k, v, self.impl, segments), ATTENTION_OUT)
         return jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(dt))
 
     # -- incremental decoding (see Model.extend)

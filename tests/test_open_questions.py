@@ -106,7 +106,10 @@ def test_matched_grid_dry_run_shows_every_arms_budget(tmp_path, capsys):
     ("init_scale", {"standard": ("dense-142m-standard", 1.0), "standard-at-m-scale": ("dense-142m-standard", 0.5 ** 0.5),
                     "twin": ("dense-142m-twin", 1.0), "twin-at-e-scale": ("dense-142m-twin", 2 ** 0.5)}),
     ("context", {"standard": ("dense-142m-standard", 1024), "twin": ("dense-142m-twin", 1024),
-                 "standard-4x": ("dense-142m-standard@4x", 4096), "twin-4x": ("dense-142m-twin@4x", 4096)}),
+                 "standard-4x": ("dense-142m-standard@4x", 4096), "twin-4x": ("dense-142m-twin@4x", 4096),
+                 "standard-docs": ("dense-142m-standard", 1024), "twin-docs": ("dense-142m-twin", 1024),
+                 "standard-4x-docs": ("dense-142m-standard@4x", 4096),
+                 "twin-4x-docs": ("dense-142m-twin@4x", 4096)}),
 ])
 def test_init_scale_and_context_grids_dry_run(grid, arms, tmp_path, capsys):
     """Their arms, each arm's init scale or context, and the paper's 21,740 steps of 262,144 tokens
@@ -121,10 +124,12 @@ def test_init_scale_and_context_grids_dry_run(grid, arms, tmp_path, capsys):
         assert a["budget"]["steps"] == 21_740 and a["budget"]["tokens"] == 21_740 * TOKENS_PER_STEP
     if grid == "context":
         assert info["interaction"] == dict(baseline="standard", input="standard-4x", output="twin", both="twin-4x")
-        assert {a["group"] for a in info["arms"]} == {"dense-142m-1x", "dense-142m-4x"}
+        assert {a["group"] for a in info["arms"]} == {f"dense-142m-{g}" for g in ("1x", "4x", "1x-docs", "4x-docs")}
+        packings = {a["name"]: load(a["spec"], **a["overrides"]).data.packing for a in info["arms"]}
+        assert packings == {name: "documents" if name.endswith("-docs") else "windows" for name in arms}
     assert sweep.main([f"--grid={grid}", f"--workdir={tmp_path / 'g'}", "--dry_run"]) == 0
     out = capsys.readouterr().out
-    assert sum(" 21,740 " in line for line in out.splitlines() if line.startswith("# ")) == 4
+    assert sum(" 21,740 " in line for line in out.splitlines() if line.startswith("# ")) == len(arms)
 
 
 def test_sweep_flags_reach_the_matched_rule():

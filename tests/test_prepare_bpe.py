@@ -140,7 +140,7 @@ def test_a_run_with_data_tokenizer_opens_the_data(trained):
     assert cfg.model.vocab_size == 512
     pipeline.check_tokenizer(d, m, cfg.data)
     data = loop.open_data(cfg, str(d))
-    assert len(data.train) == m["splits"]["train"]["tokens"] and int(data.val_windows.max()) < ENTRIES
+    assert len(data.sources[0].store("train")) == m["splits"]["train"]["tokens"] and int(data.val_windows.max()) < ENTRIES
     with pytest.raises(ValueError, match="was prepared with tokenizer .*tokenizer.json"):
         pipeline.check_tokenizer(d, m, {"tokenizer": "gpt2"})
 

@@ -95,7 +95,7 @@ def test_corrupt_block_missing_shard_and_old_manifest_are_errors_with_the_fix(lo
     data[5 * BLOCK + 7] ^= 1  # one bit in block 5: same size, only the block's hash can tell
     fs.pipe_file(key, bytes(data))
 
-    store = StreamStore(url, "train")
+    store = StreamStore(pipeline.DataSource(url), "train")
     first = 2 * SHARD  # shard 2's first token in the stream
     assert np.array_equal(store.read(first, first + 5 * BLOCK // 2),  # blocks 0-4 are sound
                           pipeline.TokenStore(ref, "train").read(first, first + 5 * BLOCK // 2))
@@ -105,10 +105,10 @@ def test_corrupt_block_missing_shard_and_old_manifest_are_errors_with_the_fix(lo
     # A truncated shard is the same error (fewer bytes than the block holds), a missing one names it.
     fs.pipe_file(key, bytes(data[: 3 * BLOCK + 10]))
     with pytest.raises(ValueError, match=r"block 3 .*10 bytes read, 128 expected"):
-        StreamStore(url, "train").read(first, first + 4 * BLOCK // 2)
+        StreamStore(pipeline.DataSource(url), "train").read(first, first + 4 * BLOCK // 2)
     fs.rm(key)
     with pytest.raises(ValueError, match=rf"shard {url}/{shard['file']} listed in .* is missing"):
-        StreamStore(url, "train").read(first, first + 1)
+        StreamStore(pipeline.DataSource(url), "train").read(first, first + 1)
 
     # Data prepared before block hashes: refused, naming both fixes; copy mode (asked for) still reads it.
     old = f"{fake_gcs}/old"
@@ -121,7 +121,7 @@ def test_corrupt_block_missing_shard_and_old_manifest_are_errors_with_the_fix(lo
     with pytest.raises(ValueError, match=r"no block hashes for shard train_00000\.bin .*prepare .*again .*"
                                          r"data\.bucket_read=copy"):
         pipeline.train_batches(old, SEQ, 8, bucket_read="stream")
-    assert len(pipeline.open_store(old, "train", bucket_read="copy", cache_dir=str(ref.parent / "cache"))) == len(
+    assert len(pipeline.DataSource(old, bucket_read="copy", cache_dir=str(ref.parent / "cache")).store("train")) == len(
         pipeline.TokenStore(ref, "train"))
 
 
@@ -134,4 +134,4 @@ def test_bucket_read_is_checked_and_resumable():
         configlib.validate(cfg)
     assert "data.bucket_read" in configlib.RESUMABLE_KEYS
     with pytest.raises(ValueError, match=r"data\.bucket_read='mmap' must be one of copy, stream"):
-        pipeline.open_store("gs://b/d", "train", bucket_read="mmap")
+        pipeline.DataSource("gs://b/d", bucket_read="mmap")

@@ -112,7 +112,7 @@ def test_prepare_past_65536_entries_writes_uint32_read_alike_by_every_reader(dat
     store = pipeline.TokenStore(d, "train")
     assert store.dtype == np.uint32 and len(store) == len(train)
     assert store.read(0, len(store)).tolist() == want["train"]
-    stream = StreamStore(str(d), "train")  # the streaming reader, on a local path: every block verified
+    stream = StreamStore(pipeline.DataSource(str(d)), "train")  # the streaming reader, on a local path: every block verified
     spans = [(0, len(train)), (2_995, 3_010), (36, 38), (len(train) - 3, len(train))]
     assert [r.tolist() for r in stream.read_many(spans)] == [want["train"][a:b] for a, b in spans]
     assert stream.bytes_fetched >= 4 * len(train)
@@ -140,8 +140,9 @@ def test_uint32_bucket_data_copied_or_streamed_reads_as_local(data_70k, bpe_70k,
     upload(d, url)
     local = pipeline.TokenStore(d, "train")
     data = pipeline.open_for_training(url, 63, 3, cache_dir=str(tmp_path / "cache"), tokenizer=data_cfg(bpe_70k))
-    assert data.train.dtype == np.uint32 and np.array_equal(data.train.read(0, len(local)), local.read(0, len(local)))
-    streamed = pipeline.open_store(url, "train", bucket_read="stream")
+    train = data.sources[0].store("train")
+    assert train.dtype == np.uint32 and np.array_equal(train.read(0, len(local)), local.read(0, len(local)))
+    streamed = pipeline.DataSource(url, bucket_read="stream").store("train")
     assert isinstance(streamed, StreamStore) and np.array_equal(streamed.read(0, len(local)), local.read(0, len(local)))
     assert np.array_equal(data.val_windows, pipeline.validation_windows(d, 63, 3))
 
@@ -211,7 +212,7 @@ def test_tiny_twin_trains_on_uint32_data(data_70k, bpe_70k):
     cfg = config_for(d, bpe_70k)
     assert cfg.model.vocab_size == 70_016
     data = loop.open_data(cfg, str(d))
-    assert data.train.dtype == np.uint32 and int(data.val_windows.max()) >= 1 << 16
+    assert data.sources[0].dtype == np.uint32 and int(data.val_windows.max()) >= 1 << 16
     losses, _, _ = run_steps(cfg, 3, jax.devices()[:1])  # one device: the shortest compile
     assert np.isfinite(losses).all()
     assert abs(losses[0] - math.log(70_016)) < 0.05, losses
@@ -230,7 +231,7 @@ def test_bundled_default_is_prepared_with_the_runs_tokenizer(bpe_4k, tmp_path, m
     data = loop.prepare_data(cfg, str(tmp_path / "w"))
     m = json.loads((tmp_path / "w" / "data" / "manifest.json").read_text())
     assert m["dtype"] == "uint16" and tokenizer_lib.same(m["tokenizer"], tokenizer_lib.load(str(bpe_4k)).identity())
-    assert data.data_dir == str(tmp_path / "w" / "data") and int(data.val_windows.max()) < 4096
+    assert data.sources[0].data_dir == str(tmp_path / "w" / "data") and int(data.val_windows.max()) < 4096
 
 
 # ----------------------------------------------------------------------------- refusal
@@ -286,7 +287,8 @@ def test_old_gpt2_manifest_is_read_as_gpt2(tiny_data, bpe_4k, tmp_path):
     m["tokenizer"] = {"name": "gpt2", "ranks_sha256": tokenizer_lib.GPT2_RANKS_SHA256}
     (old / "manifest.json").write_text(json.dumps(m))
     data = pipeline.open_for_training(old, 32, 4, tokenizer={"tokenizer": "gpt2"})
-    assert data.train.dtype == np.uint16 and len(data.train) == m["splits"]["train"]["tokens"]
+    train = data.sources[0].store("train")
+    assert train.dtype == np.uint16 and len(train) == m["splits"]["train"]["tokens"]
     assert storage.data_identity(old) == storage.data_identity(tiny_data)  # the same data
     with pytest.raises(ValueError, match=rf"prepared with tokenizer gpt2 .*; this run's data.tokenizer is {bpe_4k} .*"
                                          r"or set --config.data.tokenizer=gpt2$"):

@@ -151,7 +151,7 @@ def compile_eval(cfg, s: Slice, devices=None, hbm: int | None = None) -> dict:
     params = jax.tree.map(lambda x, sh: _abstract(x.shape, x.dtype, sh), run.abstract_params, run.param_shardings)
     tokens = _abstract((b, cfg.data.seq_len + 1), np.int32, run.batch_sharding)
     weights = _abstract((b,), np.float32, sharding.batch_sharding(run.mesh, 1))
-    step = make_eval_step(run.graphdef, run.mesh, run.param_shardings)
+    step = make_eval_step(run.graphdef, run.mesh, run.param_shardings, eot=run.eot)
     compiled, seconds = _compile(step, params, tokens, weights)
     out = _analyse(compiled, seconds, hbm or s.hbm_per_device, len(devices), cfg)
     out["batch"] = b

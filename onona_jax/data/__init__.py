@@ -6,7 +6,7 @@ would make `python -m onona_jax.data.prepare` warn. Use `from onona_jax.data.pre
 
 import importlib
 
-_PIPELINE = ("TokenStore", "WindowSource", "TrainIterator", "train_batches", "validation_windows",
+_PIPELINE = ("DataSource", "TokenStore", "WindowSource", "TrainIterator", "train_batches", "validation_windows",
              "ensure_bundled_data")
 __all__ = list(_PIPELINE)
 

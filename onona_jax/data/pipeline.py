@@ -1,210 +1,28 @@
-"""Loading prepared shards: memory-mapped token stream, fixed windows, grain batch iterator."""
+"""Reading a run's data: fixed windows of each source's token stream, the grain iterator of
+the global batches (one source, or a weighted mixture: mixture.py), the fixed held-out
+windows, and `open_for_training`, which opens and checks it all once per start (`RunData`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import grain
 import numpy as np
 
 from onona_jax import paths
-from onona_jax import tokenizer as tokenizer_lib
-from onona_jax.data import storage
-from onona_jax.data.prepare import FORMAT_VERSION, prepare
+from onona_jax.data import mixture
+from onona_jax.data.prepare import prepare
+from onona_jax.data.source import TOKENIZER_KEYS, DataSource, TokenStore, check_tokenizer
 from onona_jax.tokenizer import bundled_corpus_path
 
-_SCAN_CHUNK = 1 << 26  # tokens per max-id scan step: bounds the temporary on the error path
-
-
-def _prepare_hint(data_dir: Path) -> str:
-    return f"run `python -m onona_jax.data.prepare --input <text files> --output {data_dir}`"
-
-
-TOKENIZER_KEYS = ("tokenizer", "eot", "tokenizer_pattern", "special_tokens")  # of the config's data group
-
-
-def _settings(data) -> dict:
-    """The non-empty tokenizer settings of a config's data group (or a manifest's record of them)."""
-    return {k: str(data.get(k) or "") for k in TOKENIZER_KEYS if data.get(k)} or {"tokenizer": tokenizer_lib.DEFAULT}
-
-
-def _flags(settings: dict, prefix: str) -> str:
-    return " ".join(f"{prefix}{k}={v}" for k, v in settings.items())
-
-
-def _describe(identity: dict) -> str:
-    if not identity.get("sha256"):
-        return "its manifest names no tokenizer"
-    return f"{identity.get('name')}, {identity.get('vocab', 0):,} entries, sha256 {str(identity['sha256'])[:12]}…"
-
-
-def check_tokenizer(data_dir, manifest: dict, data, trained: bool = False) -> None:
-    """Refuse a data dir prepared with another tokenizer than `data.tokenizer` (with data.eot,
-    data.tokenizer_pattern, data.special_tokens: `data` is a config's data group or a dict of
-    those keys): one ValueError naming both and the fixes (for a `trained` model, evaluated, only
-    data of its own tokenizer will do). Before any shard is read."""
-    tok = tokenizer_lib.from_config(data)
-    theirs = tokenizer_lib.manifest_identity(manifest)
-    if tokenizer_lib.same(theirs, tok.identity()):
-        return
-    ours = _settings(data)
-    recorded = theirs.get("config") or ({"tokenizer": tokenizer_lib.DEFAULT} if theirs.get("kind") == "gpt2" else {})
-    use_theirs = (f"set {_flags(recorded, '--config.data.')}" if recorded else
-                  "set --config.data.tokenizer to the tokenizer that made it")
-    if trained:
-        fix = (f"the model was trained with {ours['tokenizer']}: prepare its data.dir again with it, "
-               f"`python -m onona_jax.data.prepare {_flags(ours, '--')} --input <text files> --output {data_dir}`")
-    elif tok.kind == "size":
-        fix = (f"data.tokenizer={tok.spec} names a vocabulary size only (for planning), not a tokenizer data can be "
-               f"read with: {use_theirs}")
-    else:
-        fix = (f"re-run `python -m onona_jax.data.prepare {_flags(ours, '--')} --input <text files> --output <dir>` "
-               f"and train on that, or {use_theirs}")
-    raise ValueError(f"data dir {data_dir} was prepared with tokenizer {recorded.get('tokenizer', '?')} "
-                     f"({_describe(theirs)}); this run's data.tokenizer is {ours['tokenizer']} ({tok.describe()}): "
-                     f"{fix}")
-
-
-def _bound_owner(manifest: dict, bound: int) -> str:
-    """Which tokenizer an id bound is: the one the manifest names, or (a smaller bound) the model's table."""
-    identity = tokenizer_lib.manifest_identity(manifest)
-    if bound >= manifest.get("vocab", 0) and identity.get("sha256"):
-        return f"the tokenizer its manifest names ({_describe(identity)})"
-    return f"a tokenizer of at most {bound:,} entries (the model's table)"
-
-
-def id_error(path, token: int, pos: int, bound: int, manifest: dict) -> ValueError:
-    """A shard's token id past the bound (`id_bound`): the data and its manifest, or the model, disagree."""
-    return ValueError(f"shard {path} has token id {token} at position {pos}, >= vocab size {bound}; it was not made "
-                      f"with {_bound_owner(manifest, bound)}: re-run `python -m onona_jax.data.prepare` with the "
-                      "right tokenizer (--tokenizer)")
-
-
-def split_shards(manifest: dict, split: str, manifest_path, d) -> list[dict]:
-    """The non-empty shards of `split`, or a ValueError naming what is wrong with the manifest."""
-    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") not in storage.DTYPES:
-        raise ValueError(f"{manifest_path} has format_version={manifest.get('format_version')}, "
-                         f"dtype={manifest.get('dtype')}; expected {FORMAT_VERSION}, "
-                         f"{' or '.join(storage.DTYPES)}: {_prepare_hint(d)}")
-    if split not in manifest["splits"]:
-        raise ValueError(f"{manifest_path} has no split {split!r} (has {sorted(manifest['splits'])})")
-    shards = [s for s in manifest["splits"][split]["shards"] if s["tokens"] > 0]
-    if not shards:
-        raise ValueError(f"split {split!r} of {d} is empty (heldout_fraction={manifest.get('heldout_fraction')}); "
-                         f"{_prepare_hint(d)} with enough text (and --heldout_fraction > 0 for held-out data)")
-    return shards
-
-
-def num_windows(store, seq_len: int) -> int:
-    """Number of non-overlapping windows of seq_len + 1 tokens in a store of either kind."""
-    n = len(store) // (seq_len + 1)
-    if n == 0:
-        raise ValueError(f"{store.split} split of {store.data_dir} has {len(store)} tokens, fewer than one window "
-                         f"of seq_len + 1 = {seq_len + 1}; lower seq_len or prepare more text")
-    return n
-
-
-BUCKET_READS = ("copy", "stream")
-
-
-def open_store(data_dir: str | Path, split: str, vocab_size: int | None = None, cache_dir: str | None = None,
-               bucket_read: str = "copy", *, manifest: tuple[bytes, dict] | None = None,
-               model_vocab: int | None = None):
-    """A split's token stream: memory-mapped shards (a local data dir, or a bucket's copied into
-    `cache_dir`), or for a bucket with bucket_read="stream" a StreamStore that fetches and
-    verifies only the blocks read (onona_jax/data/stream.py).
-
-    Token ids are checked against `vocab_size` (default: the manifest's vocabulary), and also
-    against `model_vocab` when given: the smaller bound holds. `manifest`: the data dir's
-    manifest as already read (`store.manifest_file` of another split), not read again."""
-    if bucket_read not in BUCKET_READS:
-        raise ValueError(f"data.bucket_read={bucket_read!r} must be one of {', '.join(BUCKET_READS)}")
-    if bucket_read == "stream" and paths.is_cloud(data_dir):
-        from onona_jax.data.stream import StreamStore
-
-        return StreamStore(data_dir, split, vocab_size, manifest=manifest, model_vocab=model_vocab)
-    return TokenStore(data_dir, split, vocab_size, cache_dir, manifest=manifest, model_vocab=model_vocab)
-
-
-def id_bound(vocab_size: int | None, manifest: dict, model_vocab: int | None) -> int:
-    """The exclusive bound of a store's token ids (`open_store`)."""
-    bound = vocab_size or manifest["vocab"]
-    return min(bound, model_vocab) if model_vocab else bound
-
-
-class TokenStore:
-    """One split of a prepared data dir as a single read-only token stream over memory-mapped shards.
-
-    `data_dir` may be a bucket URL (gs://...): the split's shards are then copied once into
-    `cache_dir` (default: storage.default_cache_dir()) and verified, see onona_jax/data/storage.py
-    (`open_store` streams instead with bucket_read="stream").
-    """
-
-    def __init__(self, data_dir: str | Path, split: str, vocab_size: int | None = None,
-                 cache_dir: str | None = None, *, manifest: tuple[bytes, dict] | None = None,
-                 model_vocab: int | None = None):
-        d = storage.local_data_dir(data_dir, (split,), cache_dir, manifest)
-        manifest_path = d / "manifest.json"
-        if manifest is None:
-            if not manifest_path.is_file():
-                raise ValueError(f"no prepared data at {d} (missing {manifest_path}); {_prepare_hint(d)}")
-            raw = manifest_path.read_bytes()
-            manifest = raw, storage.parse_manifest(raw, str(manifest_path), d)
-        self.manifest_file = manifest  # (raw bytes, parsed): what the store was opened from
-        manifest = manifest[1]
-        shards = split_shards(manifest, split, manifest_path, d)
-        self.data_dir, self.split, self.manifest = d, split, manifest
-        self.dtype = storage.token_dtype(manifest)
-        self.vocab_size = id_bound(vocab_size, manifest, model_vocab)
-        self.shards: list[np.memmap] = []
-        for s in shards:
-            path = d / s["file"]
-            if not path.is_file():
-                raise ValueError(f"shard {path} listed in {manifest_path} is missing; {_prepare_hint(d)} again")
-            size, want = path.stat().st_size, storage.shard_bytes(manifest, s)
-            if size != want:
-                raise ValueError(f"shard {path} has {size} bytes but the manifest says {s['tokens']} "
-                                 f"{self.dtype.name} tokens ({want} bytes); the data dir is incomplete or corrupt: "
-                                 f"{_prepare_hint(d)} again")
-            arr = np.memmap(path, dtype=self.dtype, mode="r")
-            self._check_ids(arr, path)
-            self.shards.append(arr)
-        self.offsets = np.cumsum([0] + [len(a) for a in self.shards])  # stream position of each shard start
-
-    def _check_ids(self, arr: np.ndarray, path: Path) -> None:
-        # A wrong tokenizer or dtype would otherwise surface as an out-of-range embedding gather.
-        for start in range(0, len(arr), _SCAN_CHUNK):
-            chunk = arr[start : start + _SCAN_CHUNK]
-            if int(chunk.max()) >= self.vocab_size:
-                pos = start + int(np.argmax(chunk >= self.vocab_size))
-                raise id_error(path, int(arr[pos]), pos, self.vocab_size, self.manifest)
-
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Copy of tokens[start:stop] of the concatenated stream (may span shards)."""
-        if not 0 <= start <= stop <= len(self):
-            raise IndexError(f"token range [{start}, {stop}) outside stream of {len(self)} tokens")
-        out = np.empty(stop - start, self.dtype)
-        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        pos = start
-        while pos < stop:
-            base, end = int(self.offsets[i]), int(self.offsets[i + 1])
-            n = min(stop, end) - pos
-            out[pos - start : pos - start + n] = self.shards[i][pos - base : pos - base + n]
-            pos += n
-            i += 1
-        return out
-
-    def read_many(self, ranges) -> list[np.ndarray]:
-        return [self.read(a, b) for a, b in ranges]
-
-    def num_windows(self, seq_len: int) -> int:
-        """Number of non-overlapping windows of seq_len + 1 tokens."""
-        return num_windows(self, seq_len)
+__all__ = ["DataSource", "RunData", "TokenStore", "TrainIterator", "WindowSource", "check_tokenizer",
+           "ensure_bundled_data", "held_out", "open_for_training", "open_sources", "prepare_bundled",
+           "train_batches", "validation_windows"]
 
 
 class WindowSource:
@@ -238,37 +56,78 @@ class WindowSource:
         return f"WindowSource({self.store.data_dir}, {self.store.split}, seq_len={self.seq_len}, windows={self._len})"
 
 
-class TrainIterator(grain.DatasetIterator):
-    """Yields this process's share of each global batch; state = global step plus the config it is valid for."""
+class TrainIterator:
+    """Yields this process's share of each global batch (np.int32 [global_batch // processes,
+    seq_len + 1]). Its state: the global step and the config it is valid for; for a run of
+    named sources (data.mixture) also each source's position and the weights' shares."""
 
-    def __init__(self, parent: grain.DatasetIterator, config: dict):
-        super().__init__(parent)
-        self.config = config
+    def __init__(self, names: list[str], weights, config: dict, make, seed: int, start_step: int = 0):
+        """`names`, `weights`: the sources'; `make(plan)`: the grain iterator of the batches
+        under a `mixture.Plan` (`train_batches`)."""
+        self.names, self.weights, self.config, self._make, self._seed = names, weights, config, make, seed
+        self.named = bool(names[0])
+        self.mixture_change = None  # {"from": shares, "to": shares} when `set_state` met other weights
+        self._start(mixture.Plan(weights, config["global_batch"], seed), start_step)
+
+    def _start(self, plan: mixture.Plan, step: int):
+        self.plan = plan
+        self._it = self._make(plan)
+        if step:
+            self._it.set_state({"next_index": step})
+
+    def __iter__(self):
+        return self
 
     def __next__(self) -> np.ndarray:
-        return next(self._parent)
+        return next(self._it)
 
     @property
     def step(self) -> int:
         """Index of the global batch the next call returns."""
-        return int(self._parent.get_state()["next_index"])
+        return int(self._it.get_state()["next_index"])
+
+    def shares(self) -> dict:
+        return {n: float(w) for n, w in zip(self.names, mixture.shares(self.weights))}
+
+    def consumed(self, step: int) -> dict:
+        """{source: windows it gave to batches 0..step-1} for named sources, else {}."""
+        return dict(zip(self.names, map(int, self.plan.positions(step)))) if self.named else {}
 
     def get_state(self) -> dict:
-        return {"step": self.step, **self.config}
+        step = self.step
+        extra = {"weights": self.shares(), "positions": self.consumed(step)} if self.named else {}
+        return {"step": step, **self.config, **extra}
 
     def set_state(self, state: dict) -> None:
         # Process index/count are not part of the state: the global batches do not depend on them.
         diff = {k: (state.get(k), v) for k, v in self.config.items() if state.get(k) != v}
+        if self.named and "num_windows" in diff:
+            saved, now = diff.pop("num_windows")
+            raise ValueError(f"data iterator state was saved for the sources (windows each) {saved}, now {now}: a "
+                             "mixture's sources may not change on resume (its weights may); resume with the run's "
+                             "data.mixture sources, or train this mixture in a new --workdir")
         if diff:
             raise ValueError("data iterator state was saved with a different config (saved, now): "
                              + ", ".join(f"{k}={a!r}, {b!r}" for k, (a, b) in diff.items()))
-        if not isinstance(state.get("step"), int) or state["step"] < 0:
+        step = state.get("step")
+        if not isinstance(step, int) or step < 0:
             raise ValueError(f"data iterator state without a step count: {state!r}")
-        self._parent.set_state({"next_index": state["step"]})
+        if not self.named:
+            self._it.set_state({"next_index": step})
+            return
+        positions = state.get("positions")
+        if not isinstance(positions, dict) or sorted(positions) != sorted(self.names):
+            raise ValueError(f"data iterator state without each source's position: {state!r}")
+        if state.get("weights") != self.shares():
+            self.mixture_change = {"from": state.get("weights"), "to": self.shares()}
+        # From the saved positions: equal to the step's own unless the weights changed (now or before).
+        plan = mixture.Plan(self.weights, self.config["global_batch"], self._seed, origin=step,
+                            positions=[positions[n] for n in self.names])
+        self._start(plan, step)
 
 
 def train_batches(
-    data_dir,
+    data,
     seq_len: int,
     global_batch: int,
     seed: int = 0,
@@ -282,11 +141,14 @@ def train_batches(
     bucket_read: str = "copy",
 ) -> TrainIterator:
     """Endless iterator of np.int32 [global_batch // process_count, seq_len + 1] training batches
-    of `data_dir`'s train split (or of `data_dir` itself when it is that split already opened:
-    `open_store`, `RunData.train`; the other reading arguments are then not used).
+    of `data`: a data dir's train split (opened here with `vocab_size`, `cache_dir`,
+    `bucket_read`), or the run's opened data (`RunData`: one source or a mixture's; the other
+    reading arguments are then not used).
 
-    Slot j of global batch b is window perm[(b * global_batch + j) % num_windows] for one fixed
-    permutation `perm` of `seed` (every epoch repeats it); process p gets slots
+    Source s's slots of global batch b hold windows perm_s[(p + i) % num_windows_s], i = 0, 1,
+    ..., for one fixed permutation perm_s (every epoch repeats it) and p the windows the source
+    gave to the batches before b (`mixture.Plan`). With one source that is window
+    perm[(b * global_batch + j) % num_windows] in slot j, perm of `seed`. Process p gets slots
     [p * G/P, (p + 1) * G/P), so the global batch does not depend on the process count.
     """
     if global_batch < 1 or process_count < 1 or global_batch % process_count:
@@ -296,52 +158,53 @@ def train_batches(
         raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-    store = (open_store(data_dir, "train", vocab_size, cache_dir, bucket_read)
-             if isinstance(data_dir, (str, os.PathLike)) else data_dir)
-    source = WindowSource(store, seq_len)
+    if isinstance(data, RunData):
+        sources, weights = data.sources, data.weights
+    else:
+        sources = (DataSource(data, cache_dir=cache_dir, bucket_read=bucket_read, vocab_size=vocab_size),)
+        weights = (1,)
+    windows = [WindowSource(s.store("train"), seq_len) for s in sources]
+    # Shuffled window ids: grain's index shuffle, one fixed permutation per source.
+    perms = [grain.MapDataset.range(len(w)).shuffle(seed=mixture.source_seed(seed, s.name, len(sources)))
+             for s, w in zip(sources, windows)]
     local = global_batch // process_count
     lo = process_index * local
 
-    def read_share(window_ids: np.ndarray) -> np.ndarray:
-        return source.windows(window_ids[lo : lo + local])
+    def make(plan: mixture.Plan):
+        def read_share(b: int) -> np.ndarray:
+            # The plan of the whole global batch (cheap), then only this process's rows are read.
+            source, position = (a[lo : lo + local] for a in plan.batch(b))
+            out = np.empty((local, seq_len + 1), np.int32)
+            for s in np.unique(source):  # each source's rows in one read
+                rows = source == s
+                out[rows] = windows[s].windows([perms[s][int(p % len(windows[s]))] for p in position[rows]])
+            return out
 
-    # Shuffle window *ids* (cheap to batch globally), then read only this process's share.
-    # reseed_each_epoch=False: grain would otherwise draw a new permutation every epoch.
-    ds = (
-        grain.MapDataset.range(len(source))
-        .shuffle(seed=seed)
-        .repeat(reseed_each_epoch=False)
-        .batch(global_batch, drop_remainder=True)
-        .map(read_share)
-    )
-    read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
-    config = {"seed": seed, "seq_len": seq_len, "global_batch": global_batch, "num_windows": len(source)}
-    it = TrainIterator(iter(ds.to_iter_dataset(read_options)), config)
-    if start_step:
-        it.set_state({**config, "step": start_step})
-    return it
+        ds = grain.MapDataset.range(sys.maxsize).map(read_share)
+        return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)))
+
+    counts = [len(w) for w in windows]
+    config = {"seed": seed, "seq_len": seq_len, "global_batch": global_batch,
+              "num_windows": dict(zip((s.name for s in sources), counts)) if sources[0].name else counts[0]}
+    return TrainIterator([s.name for s in sources], weights, config, make, seed, start_step)
 
 
-def validation_windows(data_dir: str | Path, seq_len: int, count: int, seed: int = 1234,
-                       vocab_size: int | None = None, cache_dir: str | None = None,
-                       bucket_read: str = "copy", *, manifest: tuple[bytes, dict] | None = None,
-                       model_vocab: int | None = None, tokenizer=None) -> np.ndarray:
-    """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order
-    (`manifest`, `model_vocab`: see `open_store`). `tokenizer`: the data group (cfg.data) of the
-    trained run being evaluated, whose tokenizer must be the data's (`check_tokenizer`), checked
-    before any shard is read."""
+def validation_windows(data, seq_len: int, count: int, seed: int = 1234, *, cache_dir: str | None = None,
+                       bucket_read: str = "copy", tokenizer=None) -> np.ndarray:
+    """`count` distinct held-out windows, np.int32 [count, seq_len + 1], in stream order, of
+    `data`: a data dir (opened with `cache_dir`, `bucket_read`) or a DataSource. `tokenizer`:
+    the data group (cfg.data) of the trained run being evaluated, whose tokenizer must be the
+    data's (`check_tokenizer`), checked before any shard is read."""
+    source = data if isinstance(data, DataSource) else DataSource(data, cache_dir=cache_dir, bucket_read=bucket_read)
     if tokenizer is not None:
-        manifest = manifest or storage.read_manifest(data_dir)
-        check_tokenizer(data_dir, manifest[1], tokenizer, trained=True)
-    store = open_store(data_dir, "heldout", vocab_size, cache_dir, bucket_read, manifest=manifest,
-                       model_vocab=model_vocab)
-    source = WindowSource(store, seq_len)
-    if len(source) < count:
-        raise ValueError(f"held-out split of {data_dir} has only {len(source)} windows of seq_len + 1 = "
+        source.check_tokenizer(tokenizer, trained=True)
+    held = WindowSource(source.store("heldout"), seq_len)
+    if len(held) < count:
+        raise ValueError(f"held-out split of {source.data_dir} has only {len(held)} windows of seq_len + 1 = "
                          f"{seq_len + 1} tokens but {count} were requested; lower the count (or seq_len) or "
                          "re-run prepare with a larger --heldout_fraction")
-    ids = np.sort(np.random.default_rng(seed).choice(len(source), count, replace=False))
-    return source.windows(ids)
+    ids = np.sort(np.random.default_rng(seed).choice(len(held), count, replace=False))
+    return held.windows(ids)
 
 
 def prepare_bundled(data_dir: str | Path, heldout_fraction: float = 0.02, tokenizer=None) -> str:
@@ -364,44 +227,86 @@ def ensure_bundled_data(data_dir: str | Path, seq_len: int, heldout_fraction: fl
     """`prepare_bundled`, then its train split checked for a window of `seq_len` (and, with
     `tokenizer`, made by that tokenizer: `check_tokenizer`)."""
     prepare_bundled(data_dir, heldout_fraction, tokenizer)
-    manifest = storage.read_manifest(data_dir)
+    source = DataSource(data_dir, cache_dir=cache_dir, bucket_read=bucket_read)
     if tokenizer is not None:
-        check_tokenizer(data_dir, manifest[1], tokenizer)
-    # fail now, not at the first batch
-    open_store(data_dir, "train", None, cache_dir, bucket_read, manifest=manifest).num_windows(seq_len)
+        source.check_tokenizer(tokenizer)
+    source.store("train").num_windows(seq_len)  # fail now, not at the first batch
     return os.fspath(data_dir)
 
 
-class RunData(NamedTuple):
-    """A training run's data, opened and checked once (`open_for_training`): the train split's
-    store (a memory-mapped one has had every token id checked; a streaming one checks each
-    block as it reads it), the fixed held-out windows, and the manifest (raw bytes, parsed)
-    both were opened from, which names the data (`identity`)."""
+@contextlib.contextmanager
+def _about(name: str):
+    """A named source's errors say which source they are about."""
+    try:
+        yield
+    except ValueError as err:
+        if not name:
+            raise
+        raise ValueError(f"data.mixture source {name!r}: {err}") from None
 
-    data_dir: str
-    train: object  # TokenStore | stream.StreamStore
+
+def open_sources(data, cache_dir: str | None = None, bucket_read: str = "copy", model_vocab: int | None = None,
+                 tokenizer=None, trained: bool = False) -> tuple[DataSource, ...]:
+    """The sources of `data` (a data dir, or a mixture's entries: `mixture.parse`), each
+    manifest read once; with `tokenizer` (a run's data group, cfg.data) every source checked
+    to be made by its tokenizer (`check_tokenizer`; `trained`: of a trained model), all before
+    any shard is read or copied. A source's error names it."""
+    entries = [mixture.Entry("", os.fspath(data), 1)] if isinstance(data, (str, os.PathLike)) else list(data)
+    sources = []
+    for e in entries:
+        with _about(e.name):
+            sources.append(DataSource(e.data_dir, e.name, cache_dir=cache_dir, bucket_read=bucket_read,
+                                      model_vocab=model_vocab))
+    if tokenizer is not None:
+        for s in sources:
+            with _about(s.name):
+                s.check_tokenizer(tokenizer, trained)
+    return tuple(sources)
+
+
+def held_out(sources, seq_len: int, count: int, seed: int = 1234) -> tuple[np.ndarray, dict]:
+    """(windows, groups): `count` fixed held-out windows of each source (`validation_windows`),
+    source after source, and {name: its rows} of named sources ({} for a single data.dir)."""
+    parts, groups = [], {}
+    for s in sources:
+        with _about(s.name):
+            parts.append(validation_windows(s, seq_len, count, seed))
+        if s.name:
+            at = sum(len(p) for p in parts[:-1])
+            groups[s.name] = slice(at, at + count)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0], groups
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """A training run's data, opened and checked once per start (`open_for_training`): its
+    sources (one for data.dir; data.mixture's named ones) with their weights, each source's
+    train store opened (a memory-mapped one has had every token id checked; a streaming one
+    checks each block as it reads it), and the fixed held-out windows of every source
+    (`held_out`: `val_groups` holds each named source's rows of `val_windows`)."""
+
+    sources: tuple[DataSource, ...]
+    weights: tuple
     val_windows: np.ndarray
-    manifest: tuple[bytes, dict]
+    val_groups: dict
 
-    @property
-    def identity(self) -> str:
-        return storage.manifest_identity(*self.manifest)
+    def verify(self, record_dir) -> bool:
+        """Every local source's shards against their manifest's hashes (`storage.verify_once`),
+        recorded in `record_dir`; whether any shard was hashed."""
+        return any([s.verify(record_dir) for s in self.sources])
 
 
-def open_for_training(data_dir: str | Path, seq_len: int, eval_windows: int, eval_seed: int = 1234,
+def open_for_training(data, seq_len: int, eval_windows: int, eval_seed: int = 1234,
                       model_vocab: int | None = None, cache_dir: str | None = None,
                       bucket_read: str = "copy", tokenizer=None) -> RunData:
-    """Open `data_dir` for a run: its train split (at least one window of `seq_len`: a short
-    split fails now, not at the first batch), then `eval_windows` held-out windows, both read
-    through one reading of the manifest and with ids below `model_vocab` too (`open_store`).
-    `tokenizer`: the run's data group (cfg.data), whose tokenizer must be the data's
-    (`check_tokenizer`), checked before any shard is read or copied."""
-    manifest = None
-    if tokenizer is not None:
-        manifest = storage.read_manifest(data_dir)
-        check_tokenizer(data_dir, manifest[1], tokenizer)
-    train = open_store(data_dir, "train", None, cache_dir, bucket_read, manifest=manifest, model_vocab=model_vocab)
-    train.num_windows(seq_len)
-    val = validation_windows(data_dir, seq_len, eval_windows, eval_seed, cache_dir=cache_dir, bucket_read=bucket_read,
-                             manifest=train.manifest_file, model_vocab=model_vocab)
-    return RunData(os.fspath(data_dir), train, val, train.manifest_file)
+    """Open `data` for a run (a data dir, or a mixture's entries: `mixture.parse`): its sources
+    (`open_sources`: each manifest read once, the tokenizer checked), each train split (at
+    least one window of `seq_len`: a short split fails now, not at the first batch; ids below
+    `model_vocab` too), then `eval_windows` held-out windows of each source (`held_out`)."""
+    sources = open_sources(data, cache_dir, bucket_read, model_vocab, tokenizer)
+    for s in sources:
+        with _about(s.name):
+            s.store("train").num_windows(seq_len)
+    windows, groups = held_out(sources, seq_len, eval_windows, eval_seed)
+    weights = tuple(1 for _ in sources) if isinstance(data, (str, os.PathLike)) else tuple(e.weight for e in data)
+    return RunData(sources, weights, windows, groups)

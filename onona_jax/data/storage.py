@@ -64,6 +64,16 @@ def shard_bytes(manifest: dict, shard: dict) -> int:
     return token_dtype(manifest).itemsize * shard["tokens"]
 
 
+def num_windows(store, seq_len: int) -> int:
+    """Number of non-overlapping windows of seq_len + 1 tokens in a store of either kind
+    (source.TokenStore, stream.StreamStore)."""
+    n = len(store) // (seq_len + 1)
+    if n == 0:
+        raise ValueError(f"{store.split} split of {store.data_dir} has {len(store)} tokens, fewer than one window "
+                         f"of seq_len + 1 = {seq_len + 1}; lower seq_len or prepare more text")
+    return n
+
+
 def parse_manifest(raw: bytes, where: str, data_dir) -> dict:
     """The manifest's JSON, or a ValueError naming the file when it is truncated or not JSON."""
     try:
@@ -127,23 +137,16 @@ def _copy_verified(src, dst: Path, shard: dict, data_dir: str, cache: Path, want
     os.replace(part, dst)
 
 
-def _local(data_dir) -> Path:
+def local_path(data_dir) -> Path:
+    """A local data dir as a Path (a file:// URL's path)."""
     s = os.fspath(data_dir)
     return Path(s[len("file://"):] if s.startswith("file://") else s)
 
 
-def local_data_dir(data_dir: str | os.PathLike, splits: tuple[str, ...] | list[str],
-                   cache_dir: str | None = None, manifest: tuple[bytes, dict] | None = None) -> Path:
-    """A local directory holding the manifest and `splits`' shards of `data_dir`.
-
-    Local paths are returned as they are. A remote data dir's shards of `splits` are copied (once per
-    host) into its cache dir and verified; an up-to-date cache is reused without reading the shards.
-    `manifest`: the remote manifest (raw bytes, parsed) as already read, not read again.
-    """
-    if not paths.is_cloud(data_dir):
-        return _local(data_dir)
-    data_dir = os.fspath(data_dir).rstrip("/")
-    raw, manifest = manifest or read_remote_manifest(data_dir)
+def copy_to_cache(data_dir: str, raw: bytes, manifest: dict, splits, cache_dir: str | None = None) -> Path:
+    """The cache directory holding the manifest (`raw`, as read from the bucket) and `splits`'
+    shards of the remote data dir `data_dir`: copied (once per host) and verified; an
+    up-to-date cache is reused without reading the shards."""
     cache = cache_path(data_dir, cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     cached_manifest = cache / "manifest.json"
@@ -196,7 +199,7 @@ def read_manifest(data_dir) -> tuple[bytes, dict]:
     """(raw bytes, parsed) manifest.json of a local or remote data dir; ValueError if missing."""
     if paths.is_cloud(data_dir):
         return read_remote_manifest(os.fspath(data_dir).rstrip("/"))
-    path = _local(data_dir) / "manifest.json"
+    path = local_path(data_dir) / "manifest.json"
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -229,31 +232,50 @@ def _read_record(record_dir) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def recorded_identity(record_dir) -> str | None:
-    """The data identity recorded by the run's last start (`verify_once`), or None."""
-    return _read_record(record_dir).get("identity")
+def _source_record(whole: dict, name: str) -> dict:
+    """The record of one source in the file's contents: the whole file for a run's single data
+    dir, else its entry under "sources" (a mixture's named source)."""
+    if not name:
+        return whole
+    sources = whole.get("sources")
+    record = sources.get(name) if isinstance(sources, dict) else None
+    return record if isinstance(record, dict) else {}
 
 
-def verify_once(data_dir, record_dir, splits=("train", "heldout"), manifest: tuple[bytes, dict] | None = None) -> bool:
+def recorded_identity(record_dir, name: str = "") -> str | None:
+    """The data identity recorded by the run's last start (`verify_once`), or None; `name`: a
+    mixture source's."""
+    return _source_record(_read_record(record_dir), name).get("identity")
+
+
+def verify_once(data, record_dir, splits=("train", "heldout")) -> bool:
     """Check a LOCAL data dir's shards against the size and sha256 its manifest records,
     hashing each shard once per change. RECORD_DIR/data_verified.json (the run's workdir)
     keeps the data's identity and each verified shard's size, mtime and sha256; at every start
     a shard whose size and mtime are as recorded is not read again, any other is hashed. A
     shard that was replaced or damaged is a ValueError naming it and the fix. A rewrite that
     keeps both size and mtime is not noticed (docs/DATA.md: the trade). Returns whether it
-    hashed. A remote data dir is verified as it is copied (`local_data_dir`); only its identity
-    is recorded. `manifest`: the data dir's (raw bytes, parsed) as already read (the run's
-    opened data, `pipeline.RunData`), not read again."""
+    hashed. A remote data dir is verified as it is copied (`copy_to_cache`); only its identity
+    is recorded. `data`: a data dir, or the run's opened `source.DataSource` (its manifest as
+    already read; a mixture's named source keeps its record under its name)."""
+    if isinstance(data, (str, os.PathLike)):
+        data_dir, name, read = data, "", lambda: read_manifest(data_dir)
+    else:
+        data_dir, name, read = data.data_dir, data.name, lambda: (data.raw, data.manifest)
     record_path = paths.Workdir(record_dir).data_record
-    old = _read_record(record_dir)
-    if paths.is_cloud(data_dir):
-        identity = manifest_identity(*manifest) if manifest else data_identity(data_dir)
-        new = {"data_dir": os.fspath(data_dir), "identity": identity}
+    whole = _read_record(record_dir)
+    old = _source_record(whole, name)
+
+    def write(new: dict):
         if new != old:
-            paths.write_json(record_path, new)
+            others = whole.get("sources") if isinstance(whole.get("sources"), dict) else {}
+            paths.write_json(record_path, {"sources": {**others, name: new}} if name else new)
+
+    if paths.is_cloud(data_dir):
+        write({"data_dir": os.fspath(data_dir), "identity": manifest_identity(*read())})
         return False
-    d = _local(data_dir).resolve()
-    raw, manifest = manifest or read_manifest(d)
+    d = local_path(data_dir).resolve()
+    raw, manifest = read()
     # Only a record of this very directory vouches for its files.
     known = old.get("shards", {}) if old.get("data_dir") == str(d) and isinstance(old.get("shards"), dict) else {}
     shards, hashed = {}, False
@@ -276,7 +298,5 @@ def verify_once(data_dir, record_dir, splits=("train", "heldout"), manifest: tup
                         f"({shard.get('bytes', '?')} bytes, sha256 {shard['sha256']}): the data dir was changed "
                         f"or damaged after prepare; restore that shard, or {prepare_hint(data_dir)} again")
             shards[shard["file"]] = seen
-    new = {"data_dir": str(d), "identity": manifest_identity(raw, manifest), "shards": shards}
-    if new != old:
-        paths.write_json(record_path, new)
+    write({"data_dir": str(d), "identity": manifest_identity(raw, manifest), "shards": shards})
     return hashed

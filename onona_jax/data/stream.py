@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import threading
 
 import numpy as np
@@ -42,19 +41,15 @@ def _no_block_hashes(data_dir: str, shard: dict) -> ValueError:
 
 
 class StreamStore:
-    """One split of a bucket data dir as a token stream read by ranged, verified block fetches.
-    Same reading interface as pipeline.TokenStore (`len`, `read`, `read_many`, `num_windows`)."""
+    """One split of a bucket data dir (`source`, a `source.DataSource`: its manifest, dtype and
+    token-id bound) as a token stream read by ranged, verified block fetches. Same reading
+    interface as source.TokenStore (`len`, `read`, `read_many`, `num_windows`)."""
 
-    def __init__(self, data_dir, split: str, vocab_size: int | None = None, cache_bytes: int = CACHE_BYTES, *,
-                 manifest: tuple[bytes, dict] | None = None, model_vocab: int | None = None):
-        from onona_jax.data import pipeline
-
-        data_dir = os.fspath(data_dir).rstrip("/")
-        self.manifest_file = manifest or storage.read_remote_manifest(data_dir)  # (raw bytes, parsed)
-        manifest = self.manifest_file[1]
+    def __init__(self, source, split: str, cache_bytes: int = CACHE_BYTES):
+        data_dir, manifest = source.data_dir, source.manifest
         manifest_path = f"{data_dir}/manifest.json"
-        shards = pipeline.split_shards(manifest, split, manifest_path, data_dir)
-        self.dtype = storage.token_dtype(manifest)
+        shards = source.shards(split)
+        self.source, self.dtype = source, source.dtype
         width = self.dtype.itemsize
         for s in shards:
             if "block_sha256" not in s or "block_bytes" not in s:
@@ -67,7 +62,7 @@ class StreamStore:
                                  f"{s['block_bytes']} bytes for shard {s['file']} of {size} bytes; the "
                                  f"manifest is damaged: {storage.prepare_hint(data_dir)} again")
         self.data_dir, self.split, self.manifest, self.shard_info = data_dir, split, manifest, shards
-        self.vocab_size = pipeline.id_bound(vocab_size, manifest, model_vocab)
+        self.vocab_size = source.id_bound
         self.fs, root = paths._fs(data_dir)
         self.keys = [f"{root.rstrip('/')}/{s['file']}" for s in shards]
         self.offsets = np.cumsum([0] + [s["tokens"] for s in shards])  # stream position of each shard start
@@ -80,9 +75,7 @@ class StreamStore:
         return int(self.offsets[-1])
 
     def num_windows(self, seq_len: int) -> int:
-        from onona_jax.data import pipeline
-
-        return pipeline.num_windows(self, seq_len)
+        return storage.num_windows(self, seq_len)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Copy of tokens[start:stop] of the concatenated stream (may span shards)."""
@@ -181,9 +174,7 @@ class StreamStore:
                 f"{storage.prepare_hint(self.data_dir)} and upload it)")
         arr = np.frombuffer(data, dtype=self.dtype)
         if arr.size and int(arr.max()) >= self.vocab_size:  # as TokenStore checks a whole shard at load
-            from onona_jax.data import pipeline
-
             at = int(np.argmax(arr >= self.vocab_size))
-            raise pipeline.id_error(f"{self.data_dir}/{shard['file']}", int(arr[at]),
-                                    k * b // self.dtype.itemsize + at, self.vocab_size, self.manifest)
+            raise self.source.id_error(f"{self.data_dir}/{shard['file']}", int(arr[at]),
+                                       k * b // self.dtype.itemsize + at)
         return arr

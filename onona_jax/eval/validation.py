@@ -9,6 +9,9 @@ document, count 0 bytes but their NLL is counted: where a document ends is part 
 predicted). The bytes are counted exactly from the windows' ids, so bits per byte compares
 runs of different tokenizers on the same text; the loss per token does not.
 
+A run of several sources (`data.mixture`) is scored on each source's own fixed windows as well:
+`val_loss/<source>`, with `val_loss` over all of them together.
+
 The checkpoint's parameters are restored onto this run's mesh, whatever mesh trained them;
 no optimizer state is read. The training loop uses the same `Evaluator`.
 """
@@ -24,19 +27,25 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import heads as heads_lib
-from onona_jax import models, paths, sharding
+from onona_jax import models, packing, paths, sharding
 from onona_jax import tokenizer as tokenizer_lib
 from onona_jax.checkpoint import restore_params
 
 
-def make_eval_step(graphdef, mesh, param_shardings, ablation: str | None = None):
-    """Sum of NLL and token count over a [b, T+1] batch with per-window weights (padding)."""
+def make_eval_step(graphdef, mesh, param_shardings, ablation: str | None = None, eot: int | None = None):
+    """Sum of NLL and token count over a [b, T+1] batch with per-window weights (padding).
+    `eot`: packed documents (`data.packing="documents"`): the targets the training loss counts
+    (`packing.kept`), under the same document masks."""
     layout = sharding.loss_layout(mesh)
 
     def nll_sum(params, tokens, weights):
         model = models.bind(graphdef, params)
-        lp = model.target_log_probs(tokens[:, :-1], tokens[:, 1:], ablation=ablation, layout=layout)
-        return -jnp.sum(lp * weights[:, None]), jnp.sum(weights) * lp.shape[1]
+        inputs = tokens[:, :-1]
+        lp = model.target_log_probs(inputs, tokens[:, 1:], ablation=ablation, layout=layout, eot=eot)
+        if eot is None:
+            return -jnp.sum(lp * weights[:, None]), jnp.sum(weights) * lp.shape[1]
+        w = weights[:, None] * packing.kept(inputs, eot)
+        return -jnp.sum(lp * w), jnp.sum(w)
 
     replicated = NamedSharding(mesh, P())
     return jax.jit(
@@ -50,13 +59,31 @@ class Evaluator:
     """Mean NLL over fixed windows (every process holds all of them), per variant (None: the
     model, else a table ablation); one compiled step per variant, built on first use."""
 
-    def __init__(self, graphdef, mesh, param_shardings):
-        self.graphdef, self.mesh, self.param_shardings = graphdef, mesh, param_shardings
+    def __init__(self, graphdef, mesh, param_shardings, eot: int | None = None):
+        self.graphdef, self.mesh, self.param_shardings, self.eot = graphdef, mesh, param_shardings, eot
         self.steps: dict = {}
 
-    def __call__(self, params, windows: np.ndarray, tables=(None,), batch: int = 8) -> dict:
+    def __call__(self, params, windows: np.ndarray, tables=(None,), batch: int = 8, groups=None) -> dict:
+        """`groups`: {name: rows of `windows`} (a mixture's sources: `pipeline.held_out`), each
+        scored apart as well, as `val_loss/<name>` (the full model's); every variant's mean is
+        over all the groups' windows together."""
         dp = sharding.data_parallel_size(self.mesh)
         b = max(dp, math.ceil(batch / dp) * dp)
+        parts = {name: windows[rows] for name, rows in groups.items()} if groups else {None: windows}
+        out = {}
+        for table in tables:
+            if table not in self.steps:
+                self.steps[table] = make_eval_step(self.graphdef, self.mesh, self.param_shardings, table, self.eot)
+            sums = {name: self._sums(self.steps[table], params, part, b) for name, part in parts.items()}
+            total, count = sum(s for s, _ in sums.values()), sum(c for _, c in sums.values())
+            out["val_loss" if table is None else f"val_loss_{table}"] = float(total / count)
+            if groups and table is None:
+                out.update({f"val_loss/{name}": float(s / c) for name, (s, c) in sums.items()})
+        return out
+
+    def _sums(self, fn, params, windows: np.ndarray, b: int):
+        """(Σ NLL, Σ scored targets) of `fn` over `windows`, in batches of b (the last padded with
+        windows of weight 0)."""
         n = len(windows)
         padded = math.ceil(n / b) * b
         tokens = np.zeros((padded, windows.shape[1]), np.int32)
@@ -64,19 +91,13 @@ class Evaluator:
         weights = np.zeros((padded,), np.float32)
         weights[:n] = 1.0
         rows, w_rows = sharding.batch_sharding(self.mesh), sharding.batch_sharding(self.mesh, 1)
-        out = {}
-        for table in tables:
-            if table not in self.steps:
-                self.steps[table] = make_eval_step(self.graphdef, self.mesh, self.param_shardings, table)
-            fn = self.steps[table]
-            total, count = 0.0, 0.0
-            for i in range(0, padded, b):
-                tb = jax.make_array_from_callback((b, tokens.shape[1]), rows, lambda idx: tokens[i:i + b][idx])
-                wb = jax.make_array_from_callback((b,), w_rows, lambda idx: weights[i:i + b][idx])
-                s, c = fn(params, tb, wb)
-                total, count = total + s, count + c
-            out["val_loss" if table is None else f"val_loss_{table}"] = float(total / count)
-        return out
+        total, count = 0.0, 0.0
+        for i in range(0, padded, b):
+            tb = jax.make_array_from_callback((b, tokens.shape[1]), rows, lambda idx: tokens[i:i + b][idx])
+            wb = jax.make_array_from_callback((b,), w_rows, lambda idx: weights[i:i + b][idx])
+            s, c = fn(params, tb, wb)
+            total, count = total + s, count + c
+        return total, count
 
 
 @functools.cache
@@ -89,10 +110,14 @@ def token_byte_lengths(tok) -> np.ndarray:
     return lengths
 
 
-def bits_per_byte(val_loss: float, windows: np.ndarray, tok) -> dict:
+def bits_per_byte(val_loss: float, windows: np.ndarray, tok, eot: int | None = None) -> dict:
     """{val_bits_per_byte, val_bytes}: the mean NLL (nats) over windows[:, 1:] turned into bits
-    per byte of the text those targets stand for (module docstring)."""
-    targets = np.asarray(windows)[:, 1:]
+    per byte of the text those targets stand for (module docstring); with packed documents
+    (`eot`) over the targets the loss counts (`packing.kept`)."""
+    windows = np.asarray(windows)
+    targets = windows[:, 1:]
+    if eot is not None:
+        targets = targets[np.asarray(packing.kept(windows[:, :-1], eot))]
     if targets.size and int(targets.max()) >= tok.n_vocab:
         raise ValueError(f"the validation windows hold token id {int(targets.max())}, past the "
                          f"{tok.n_vocab:,} entries of data.tokenizer ({tok.describe()}); the data was "
@@ -118,18 +143,20 @@ def data_dir(cfg, workdir: str) -> str:
 def validation(workdir: str, step: int | None = None, mesh=(-1, 1, 1), devices=None, loaded=None) -> dict:
     """`loaded`: a `load` result to evaluate instead of restoring (eval.py restores once for
     the validation loss and the downstream tasks)."""
-    from onona_jax.data import pipeline
+    from onona_jax.data import mixture, pipeline
 
     params, step, cfg, grid = loaded or load(workdir, step, mesh, devices)
-    windows = pipeline.validation_windows(
-        data_dir(cfg, workdir), cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
+    sources = pipeline.open_sources(
+        mixture.parse(cfg.data.get("mixture", "")) or data_dir(cfg, workdir),
         cache_dir=cfg.data.get("cache_dir") or None, bucket_read=cfg.data.get("bucket_read", "copy"),
-        tokenizer=cfg.data,  # refuses held-out data of another tokenizer than the run's
+        tokenizer=cfg.data, trained=True,  # refuses held-out data of another tokenizer than the run's
     )
+    windows, groups = pipeline.held_out(sources, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed)
     graphdef, _ = models.abstract(cfg.model)
     shardings = jax.tree.map(lambda a: a.sharding, params)
-    result = Evaluator(graphdef, grid, shardings)(params, windows, variants(cfg.model), cfg.eval.batch)
-    result.update(bits_per_byte(result["val_loss"], windows, tokenizer_lib.from_config(cfg.data)))
+    eot = packing.packed_eot(cfg)
+    result = Evaluator(graphdef, grid, shardings, eot)(params, windows, variants(cfg.model), cfg.eval.batch, groups)
+    result.update(bits_per_byte(result["val_loss"], windows, tokenizer_lib.from_config(cfg.data), eot))
     return {"config": cfg.name, "step": step, "windows": len(windows), **result}
 
 

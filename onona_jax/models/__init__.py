@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from onona_jax import heads as heads_lib
+from onona_jax import packing
 from onona_jax import params as params_lib
 from onona_jax.layers import DTYPES, MLP, Attention
 from onona_jax.models import attnres, dense, gdn, moe
@@ -60,7 +61,9 @@ def _no_extra_flops(cfg_model, seq_len: int) -> dict[str, float]:
 class Family:
     """What the rest of the package knows of a decoder family."""
 
-    trunk: Callable  # cfg_model -> the body module: trunk(x, positions) -> (h, stats)
+    # cfg_model -> the body module: trunk(x, positions) -> (h, stats), and with packed documents
+    # trunk(x, positions, segments) (onona_jax/packing.py; a trunk without it trains on windows only)
+    trunk: Callable
     # The summary's rows of every trunk parameter (`params.ParamGroup`s; each path matches
     # exactly one, checked by config validation before anything is written).
     components: tuple[params_lib.ParamGroup, ...]
@@ -147,20 +150,26 @@ class Model(nnx.Module):
         self.head = heads_lib.make_head(cfg) if head is None else head
         self.trunk = family(cfg).trunk(cfg)
 
-    def forward(self, tokens, positions=None, x0=None):
+    def forward(self, tokens, positions=None, x0=None, eot: int | None = None):
         """(h, x0, aux): final hidden states [B, T, d] in the compute dtype, the fp32 input
-        rows the gate reads, and the trunk's statistics (MoE routing) summed over layers."""
-        if positions is None:
+        rows the gate reads, and the trunk's statistics (MoE routing) summed over layers.
+        `eot`: each row holds documents packed after one another, each ended by this token
+        (`packing.documents`: its own positions, attention and recurrent state); None: each
+        row is one sequence."""
+        segments = None
+        if eot is not None:
+            positions, segments = packing.documents(tokens, eot)
+        elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
         if x0 is None:
             x0 = self.head.embed(tokens)
         x = constrain(x0.astype(self.dtype), ("batch", "seq", "act_embed"))
-        h, aux = self.trunk(x, positions)
+        h, aux = self.trunk(x, positions) if segments is None else self.trunk(x, positions, segments)
         return h, x0, aux
 
-    def hidden(self, tokens, positions=None, x0=None):
+    def hidden(self, tokens, positions=None, x0=None, eot: int | None = None):
         """(h, x0) of `forward`, without the statistics."""
-        h, x0, _ = self.forward(tokens, positions, x0)
+        h, x0, _ = self.forward(tokens, positions, x0, eot)
         return h, x0
 
     def __call__(self, tokens):
@@ -168,15 +177,17 @@ class Model(nnx.Module):
         h, x0 = self.hidden(tokens)
         return self.head.log_probs(h, x0)
 
-    def target_log_probs(self, tokens, targets, ablation: str | None = None, layout=None):
+    def target_log_probs(self, tokens, targets, ablation: str | None = None, layout=None, eot: int | None = None):
         """fp32 log p(targets) [B, T]; the training loss is its negative mean. `layout`
-        (`sharding.loss_layout(mesh)`) shards the fused loss over the mesh.
+        (`sharding.loss_layout(mesh)`) shards the fused loss over the mesh; `eot`: packed
+        documents (`forward`; the targets after an eot are scored too: `packing.kept` says
+        which the loss counts).
 
         `ablation` names one of the head's `ablations` (`heads.ABLATION_KINDS`): "a_only" reads
         and predicts with table A alone, no gate (SPEC §2); "a_in" feeds A[x] to the body under
         the model's own output; "a_out" predicts with A alone from the model's own input rows."""
         if ablation is None:
-            h, x0 = self.hidden(tokens)
+            h, x0 = self.hidden(tokens, eot=eot)
             return self.head.target_log_probs(h, x0, targets, layout)
         if ablation not in self.head.ablations:
             raise ValueError(
@@ -186,7 +197,7 @@ class Model(nnx.Module):
         table, kind = heads_lib.ablation_parts(ablation)
         E = self.head.ablation_table(table)
         own = None if kind == "only" else self.head.embed(tokens)  # the model's input rows (its gate's)
-        h, _ = self.hidden(tokens, x0=own if kind == "out" else jnp.take(E, tokens, axis=0))
+        h, _ = self.hidden(tokens, x0=own if kind == "out" else jnp.take(E, tokens, axis=0), eot=eot)
         if kind == "in":
             return self.head.target_log_probs(h, own, targets, layout)
         return heads_lib.table_target_log_probs(h, (E,), targets, None, self.head.loss, self.head.chunk, layout,

@@ -193,15 +193,17 @@ class AttnResLayer(nnx.Module):
         self.mlp = MLP(cfg, stack=stack)
         self.attnres = SublayerQueries(d, eps, stack=stack)
 
-    def attention(self, h, positions):
-        return constrain(self.attn(self.attn_norm(h), positions), ACT)
+    def attention(self, h, positions, segments=None):
+        return constrain(self.attn(self.attn_norm(h), positions, segments), ACT)
 
     def feed_forward(self, h):
         return constrain(self.mlp(self.mlp_norm(h)), ACT)
 
 
 class AttnResTrunk(nnx.Module):
-    """The AttnRes decoder body: `trunk(x, positions) -> (h, {})`, h final-normed [B, T, d].
+    """The AttnRes decoder body: `trunk(x, positions, segments) -> (h, {})`, h final-normed
+    [B, T, d]. Depth mixing reads only the same token's sources, so packed documents
+    (`segments`, onona_jax/packing.py) concern the attention sublayers alone.
 
     Parameters: trunk/layers/<i>/{attn_norm, attn, mlp_norm, mlp} as Dense, plus
     trunk/layers/<i>/attnres/{attn_query, attn_key_norm, mlp_query, mlp_key_norm},
@@ -232,10 +234,10 @@ class AttnResTrunk(nnx.Module):
         """Sources of the final AttnRes: the embedding plus ceil(2L / block_size) blocks."""
         return n_sources(2 * self.n_layers, self.block_size)
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, segments=None):
         if self.scan:  # the forward that is differentiated: see `_scanned_trained`
-            return self.final_norm(self._scanned_trained(x, positions)), {}
-        h, _ = self._unrolled(x, lambda layer, h, c: (layer.attention(h, positions), c), None)
+            return self.final_norm(self._scanned_trained(x, (positions, segments))), {}
+        h, _ = self._unrolled(x, lambda layer, h, c: (layer.attention(h, positions, segments), c), None)
         return self.final_norm(h), {}
 
     # -- incremental decoding (Model.extend). Depth mixing reads only the same position's
@@ -330,7 +332,7 @@ class AttnResTrunk(nnx.Module):
         buffer, caches = jax.lax.scan(body, constrain(buffer, BUFFER), xs)
         return _mix_buffer(buffer, S, self.final_attnres(), eps), caches
 
-    def _scanned_trained(self, x, positions):
+    def _scanned_trained(self, x, where):
         """The scanned full forward with a backward pass that keeps O(L) sources, not O(L·S).
 
         Differentiated through `lax.scan`, the carried buffer would be kept once per layer
@@ -342,13 +344,13 @@ class AttnResTrunk(nnx.Module):
         attention output (k > 1; with k = 1 it is the final buffer's slot) and the residuals of
         the two sublayers as `model.remat` decides (`jax.vjp` in the forward scan); the reverse
         scan rebuilds each input buffer and recomputes only the mixings (elementwise), as the
-        checkpointed `_mix_buffer` already did."""
+        checkpointed `_mix_buffer` already did. `where`: (positions, segments) of the tokens."""
         k, eps, S, L = self.block_size, self.eps, self.n_slots, self.n_layers
         graphdef, stacked = nnx.split(self.layers)
 
-        def sublayers(positions):
+        def sublayers(where):
             def attn(state, h):
-                return nnx.merge(graphdef, state).attention(h, positions)
+                return nnx.merge(graphdef, state).attention(h, *where)
 
             def mlp(state, h):
                 return nnx.merge(graphdef, state).feed_forward(h)
@@ -362,8 +364,8 @@ class AttnResTrunk(nnx.Module):
             return self._mix_mlp(nnx.merge(graphdef, state), buffer, y_attn, i)
 
         @jax.custom_vjp
-        def run(stacked, buffer, positions):
-            attn, mlp = sublayers(positions)
+        def run(stacked, buffer, where):
+            attn, mlp = sublayers(where)
 
             def body(buffer, xs):
                 state, i = xs
@@ -373,8 +375,8 @@ class AttnResTrunk(nnx.Module):
 
             return jax.lax.scan(body, buffer, (stacked, jnp.arange(L)))[0]
 
-        def run_fwd(stacked, buffer, positions):
-            attn, mlp = sublayers(positions)
+        def run_fwd(stacked, buffer, where):
+            attn, mlp = sublayers(where)
 
             def body(buffer, xs):
                 state, i = xs
@@ -417,7 +419,7 @@ class AttnResTrunk(nnx.Module):
 
         run.defvjp(run_fwd, run_bwd)
         buffer = jnp.zeros((S, *x.shape), x.dtype).at[0].set(x)
-        final = run(stacked, constrain(buffer, BUFFER), positions)
+        final = run(stacked, constrain(buffer, BUFFER), where)
         return _mix_buffer(final, S, self.final_attnres(), eps)
 
 

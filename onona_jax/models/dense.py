@@ -56,8 +56,8 @@ class Block(nnx.Module):
         y = getattr(self, self.ffn_name)(self.mlp_norm(x))
         return y if isinstance(y, tuple) else (y, {})  # MoE: (output, statistics)
 
-    def __call__(self, x, positions):
-        x = x + getattr(self, self.mixer_name)(self.attn_norm(x), positions)
+    def __call__(self, x, positions, segments=None):
+        x = x + getattr(self, self.mixer_name)(self.attn_norm(x), positions, segments)
         y, aux = self._feed_forward(x)
         return constrain(x + y, ("batch", "seq", "act_embed")), aux
 
@@ -126,11 +126,13 @@ class Trunk(nnx.Module):
             self.layers = nnx.List([Block(cfg, mixers[pattern[i % P]], ffn) for i in range(L)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    def __call__(self, x, positions):
-        """(h, aux): final-normed hidden states and the blocks' statistics summed over layers."""
+    def __call__(self, x, positions, segments=None):
+        """(h, aux): final-normed hidden states and the blocks' statistics summed over layers.
+        `segments` [B, T]: packed documents' ids (onona_jax/packing.py), None for one sequence
+        per row; the mixers keep to a document, the feed-forwards are per token anyway."""
 
         def apply(block, x):
-            return block(x, positions)
+            return block(x, positions, segments)
 
         apply = checkpointed(apply, self.remat)
         aux = {}

@@ -23,6 +23,20 @@ Only differences γ_i − γ_j with j ≤ i (≤ 0) and γ_i ≤ 0 are exponenti
 masked to −inf first), so strongly negative g underflows to 0 and never overflows. T is
 padded to a multiple of C with q = k = v = 0, g = 0, β = 0: a padded step neither decays
 nor writes the state and comes after every real step, so outputs and state are unchanged.
+
+Document resets (packed rows, `segments` → `resets` [B, T] bool, `document_starts`): the state
+is zeroed before each token with resets_t, so every document runs as if alone. In the chunked
+form, inside fixed chunks (a document may start anywhere in one), with same(i, j) = "i and j in
+one document" and carry_i = "no reset at chunk positions ≤ i" (i's document continues from the
+previous chunk):
+
+    γ_i = Σ g_j over j ≤ i of i's document in the chunk (a segment-wise cumulative sum)
+    A_ij, e^{γ_i−γ_j} terms: only where same(i, j);   S₀ reaches only tokens with carry_i
+    S_C = carry_C e^{γ_C} S₀ + Σ_{j: same(j, C)} e^{γ_C−γ_j} k_j u_jᵀ   (C: the chunk's last position)
+
+A reset is never a huge negative g added into a running cumulative sum: in fp32 γ_i − γ_j would
+then be the difference of two large numbers, and the small decays inside a document would be
+lost to cancellation; each segment's γ sums its own g only. `segments=None` is the plain form.
 """
 
 from __future__ import annotations
@@ -85,17 +99,33 @@ def _zero_state(q, v):
     return jnp.zeros((B, H, dk, v.shape[-1]), jnp.float32)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, precision=DEFAULT_PRECISION):
+def document_starts(segments):
+    """resets [B, T] bool from segments [B, T] (each token's document id): True where a token's
+    id differs from the previous token's. Position 0 is never a start: a row's first document
+    (perhaps the tail of one begun in an earlier window) begins with the initial state, zeros
+    unless one is given."""
+    segments = jnp.asarray(segments)
+    return jnp.concatenate([jnp.zeros_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, precision=DEFAULT_PRECISION, resets=None):
     """The naive per-step recurrence (lax.scan over time). q, k [B, T, H, dk], v [B, T, H, dv],
-    g, beta [B, T, H]; initial_state [B, H, dk, dv] or None (zeros).
-    Returns (o [B, T, H, dv] fp32, final state [B, H, dk, dv] fp32)."""
+    g, beta [B, T, H]; initial_state [B, H, dk, dv] or None (zeros); resets [B, T] bool or None:
+    the state is zeroed before each token where True (a document starts there; resets[:, 0]
+    zeroes the initial state).
+    Returns (o [B, T, H, dv] fp32, final state [B, H, dk, dv] fp32: the last document's)."""
     state = _zero_state(q, v) if initial_state is None else initial_state.astype(jnp.float32)
 
     def body(S, xs):
+        if resets is not None:
+            *xs, r = xs
+            S = jnp.where(r[:, None, None, None], 0.0, S)
         o, S = gated_delta_step(S, *xs, precision=precision)
         return S, o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    if resets is not None:
+        xs += (jnp.moveaxis(jnp.asarray(resets, bool), 1, 0),)
     state, o = jax.lax.scan(body, state, xs)
     return jnp.moveaxis(o, 0, 1), state
 
@@ -162,10 +192,25 @@ def _inverse_bwd(precision, T, dT):
 _unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
-def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, precision=DEFAULT_PRECISION):
+def _segment_cumsum(g, starts):
+    """Σ g_l over s ≤ l ≤ i along the last axis, s the last position ≤ i with starts_s (else 0):
+    an associative scan whose sums hold one segment's own terms only (no subtraction of running
+    sums, which in fp32 would lose a document's small decays next to an earlier one's large)."""
+
+    def combine(a, b):
+        (ga, sa), (gb, sb) = a, b
+        return jnp.where(sb, gb, ga + gb), sa | sb
+
+    return jax.lax.associative_scan(combine, (g, starts), axis=-1)[0]
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, precision=DEFAULT_PRECISION,
+                             resets=None):
     """The chunked (WY/UT-transform) form, equal to `recurrent_gated_delta_rule` for any T.
     Same arguments and results; `chunk` is the block length C (T is padded to a multiple);
-    `precision` of every matmul (PRECISIONS: the state and every elementwise term stay fp32)."""
+    `precision` of every matmul (PRECISIONS: the state and every elementwise term stay fp32);
+    `resets` [B, T] bool or None as the recurrence's (document starts, anywhere in a chunk:
+    the module docstring's masks)."""
     f32 = jnp.float32
     B, T, H, dk = q.shape
     dv = v.shape[-1]
@@ -176,6 +221,8 @@ def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, pre
     if pad:
         pad_t = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
         q, k, v, g, beta = (pad_t(a) for a in (q, k, v, g, beta))
+        if resets is not None:  # padded steps continue the last document: its state is the result
+            resets = pad_t(resets)
     N = (T + pad) // C
 
     # [B, N*C, H, ...] -> [N, B, H, C, ...]: chunks lead (the scan axis), positions last-but-one.
@@ -186,23 +233,44 @@ def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, pre
     q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))  # g, beta: [N, B, H, C]
     ein = matmul(precision)
 
-    gamma = jnp.cumsum(g, axis=-1)  # [N, B, H, C], ≤ 0, non-increasing
+    if resets is None:
+        gamma = jnp.cumsum(g, axis=-1)  # [N, B, H, C], ≤ 0, non-increasing
+    else:
+        r = jnp.moveaxis(jnp.asarray(resets, bool).reshape(B, N, C), 1, 0)[:, :, None, :]  # [N, B, 1, C]
+        gamma = _segment_cumsum(g, jnp.broadcast_to(r, g.shape))  # per document, ≤ 0
+        doc = jnp.cumsum(r, axis=-1, dtype=jnp.int32)  # documents begun in the chunk up to i
+        same = doc[..., :, None] == doc[..., None, :]  # [N, B, 1, C, C]: i, j in one document
+        carry = doc == 0  # i's document continues from the previous chunk: S₀ reaches it
+        last = doc == doc[..., -1:]  # j's document is the chunk's last: it writes S_C
     i = jnp.arange(C)
     causal = i[:, None] >= i[None, :]  # j ≤ i
     strict = i[:, None] > i[None, :]  # j < i
     diff = gamma[..., :, None] - gamma[..., None, :]  # γ_i − γ_j
-    decay = jnp.exp(jnp.where(causal, diff, -jnp.inf))  # [N, B, H, C, C], 0 above the diagonal
+    # [N, B, H, C, C], 0 above the diagonal (and between documents: A and intra inherit it)
+    decay = jnp.exp(jnp.where(causal if resets is None else causal & same, diff, -jnp.inf))
 
     kk = ein("nbhid,nbhjd->nbhij", k, k)
     A = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
     rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gamma))[..., None] * k], axis=-1)
     sol = ein("nbhij,nbhjd->nbhid", unit_lower_inverse(A, precision), rhs)
     U, W = sol[..., :dv], sol[..., dv:]  # U = T βV, W = T βe^γK with T = (I + A)⁻¹
+    if resets is not None:
+        # S₀ reaches carried tokens only. T couples one document's tokens only (A is block-
+        # diagonal, and so, exactly, is the blocked inverse) and carry is constant over a
+        # document, so masking W's rows equals masking the right-hand side's.
+        W = jnp.where(carry[..., None], W, 0.0)
 
     intra = ein("nbhid,nbhjd->nbhij", q, k) * decay
     q_dec = q * jnp.exp(gamma)[..., None]
-    k_dec = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
-    chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [N, B, H, 1, 1]
+    if resets is None:
+        k_dec = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
+        chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [N, B, H, 1, 1]
+    else:
+        q_dec = jnp.where(carry[..., None], q_dec, 0.0)
+        # Only the last document writes S_C (masked before exp: other documents' γ_C − γ_j may
+        # be > 0), and S₀ survives the chunk only if no document started in it.
+        k_dec = k * jnp.exp(jnp.where(last, gamma[..., -1:] - gamma, -jnp.inf))[..., None]
+        chunk_decay = jnp.where(carry[..., -1], jnp.exp(gamma[..., -1]), 0.0)[..., None, None]
 
     def body(S, xs):
         U, W, intra, q_dec, k_dec, cd = xs
@@ -219,18 +287,30 @@ def chunked_gated_delta_rule(q, k, v, g, beta, chunk=64, initial_state=None, pre
 # ----------------------------------------------------------------------------- the layer
 
 
-def causal_conv(x, w, state=None):
+def causal_conv(x, w, state=None, resets=None):
     """Depthwise causal conv1d, no bias: out_t = Σ_j w[j] · x_{t−K+1+j} (w[K−1] weighs the
     current step, as torch's conv1d with padding K−1). x [B, T, H, D], w [K, H, D], state
-    [B, K−1, H, D] (the previous K−1 inputs; zeros at the start of a sequence).
-    Returns (out [B, T, H, D], new state = the last K−1 inputs)."""
+    [B, K−1, H, D] (the previous K−1 inputs; zeros at the start of a sequence); resets [B, T]
+    bool or None: document starts (`document_starts`), before which inputs (the state's too)
+    read as zeros, as at the start of a sequence.
+    Returns (out [B, T, H, D], new state = the last K−1 inputs, of the last document only)."""
     K, T = w.shape[0], x.shape[1]
     if state is None:
         state = jnp.zeros((x.shape[0], K - 1, *x.shape[2:]), x.dtype)
     xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)
     w = w.astype(x.dtype)
-    out = sum(w[j] * xp[:, j : j + T] for j in range(K))
-    return out, xp[:, xp.shape[1] - (K - 1) :]
+    if resets is None:
+        out = sum(w[j] * xp[:, j : j + T] for j in range(K))
+        return out, xp[:, xp.shape[1] - (K - 1) :]
+    # Each input's document index (the state's inputs: 0, before any start); a tap reads its
+    # input only from the output's own document.
+    doc = jnp.cumsum(jnp.asarray(resets, bool), axis=1, dtype=jnp.int32)  # [B, T]
+    docp = jnp.pad(doc, ((0, 0), (K - 1, 0)))
+    mine = lambda d, ref: (d == ref)[..., None, None]  # noqa: E731
+    out = w[K - 1] * x + sum(w[j] * jnp.where(mine(docp[:, j : j + T], doc), xp[:, j : j + T], 0)
+                             for j in range(K - 1))
+    tail = xp.shape[1] - (K - 1)
+    return out, jnp.where(mine(docp[:, tail:], doc[:, -1:]), xp[:, tail:], 0)
 
 
 def l2_normalize(x, eps=L2_EPS):
@@ -349,15 +429,16 @@ class GatedDeltaNet(nnx.Module):
 
     # -- pieces shared by the full-sequence and the step forms
 
-    def _inputs(self, x, conv_state):
-        """(q, k, v, g, beta, gate, new conv state) for x [B, T, d]."""
+    def _inputs(self, x, conv_state, resets=None):
+        """(q, k, v, g, beta, gate, new conv state) for x [B, T, d]; `resets` (document starts)
+        for the conv."""
         dt = x.dtype
         proj = lambda w: jnp.einsum("btd,dhe->bthe", x, w[...].astype(dt))  # noqa: E731
         conv_state = conv_state or {}
         new_conv, qkv = {}, []
         for name in ("q", "k", "v"):
             y = constrain(proj(getattr(self, name)), ("batch", "seq", "act_heads", None))
-            y, new_conv[name] = causal_conv(y, getattr(self, f"conv_{name}")[...], conv_state.get(name))
+            y, new_conv[name] = causal_conv(y, getattr(self, f"conv_{name}")[...], conv_state.get(name), resets)
             qkv.append(jax.nn.silu(y))
         q, k, v = qkv
         q = l2_normalize(q) * (self.dk**-0.5)
@@ -387,16 +468,20 @@ class GatedDeltaNet(nnx.Module):
         }
         return {"conv": conv, "state": jnp.zeros((batch, self.heads, self.dk, self.dv), jnp.float32)}
 
-    def forward(self, x, cache=None, recurrent: bool = False):
+    def forward(self, x, cache=None, recurrent: bool = False, segments=None):
         """(y [B, T, d] in x's dtype, cache after the last step). `cache` (from `init_cache`
         or a previous call) continues a sequence; `recurrent` uses the naive per-step scan
-        instead of the chunked form (same result)."""
+        instead of the chunked form (same result); `segments` [B, T] int (each token's document
+        id, packed rows) or None: conv and state restart at each document's first token
+        (`document_starts`), and the cache returned is the last document's."""
         cache = cache or {}
-        q, k, v, g, beta, gate, conv = self._inputs(x, cache.get("conv"))
+        resets = None if segments is None else document_starts(segments)
+        q, k, v, g, beta, gate, conv = self._inputs(x, cache.get("conv"), resets)
         if recurrent:
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, cache.get("state"), self.precision)
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, cache.get("state"), self.precision, resets)
         else:
-            o, state = chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, cache.get("state"), self.precision)
+            o, state = chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, cache.get("state"), self.precision,
+                                                resets)
         return self._output(o, gate, x.dtype), {"conv": conv, "state": state}
 
     def step(self, x_t, cache):
@@ -420,6 +505,7 @@ class GatedDeltaNet(nnx.Module):
             return y[:, None], cache
         return self.forward(x, cache)
 
-    def __call__(self, x, positions=None):
-        """y [B, T, d] in x's dtype; `positions` is unused (GDN has no positional encoding)."""
-        return self.forward(x)[0]
+    def __call__(self, x, positions=None, segments=None):
+        """y [B, T, d] in x's dtype; `positions` is unused (GDN has no positional encoding);
+        `segments` [B, T] int or None: packed documents, each computed as if alone (`forward`)."""
+        return self.forward(x, segments=segments)[0]

@@ -23,6 +23,7 @@ from onona_jax import chips, cli, compile_cache, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.data import storage
 from onona_jax.eval.validation import Evaluator, variants
+from onona_jax.train import downstream
 from onona_jax.train.lock import LockLost, WorkdirLock, check as check_lock
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
@@ -205,6 +206,11 @@ class MetricsLog:
         if self.primary and self.resumed:
             self._append((json.dumps({"step": step, "restart": True, "time": time.time()}) + "\n").encode())
 
+    def note(self, step: int, **fields):
+        """A line of metrics.jsonl alone (not a scalar: TensorBoard and W&B get none), e.g. a mixture change."""
+        if self.primary:
+            self._append((json.dumps({"step": step, **fields, "time": time.time()}) + "\n").encode())
+
     def write(self, step: int, metrics: dict):
         if not self.primary:
             return
@@ -354,42 +360,64 @@ def check_schedule(saved, run, step: int, workdir: str):
     )
 
 
+def _sources(c, wd) -> dict:
+    """{name: data dir} of a config's data: data.mixture's named sources, else {"": data.dir}
+    (the bundled corpus in the workdir when data.dir is "")."""
+    from onona_jax.data import mixture
+
+    return {e.name: e.data_dir for e in mixture.parse(c.data.get("mixture", ""))} or {"": wd.data_dir(c.data.dir)}
+
+
 def check_same_data(saved, cfg, workdir: str, data=None):
-    """data.dir and data.cache_dir may change on resume (the data moved, or its local copy did)
-    when the data is the same: the identity of the requested data dir (storage.data_identity:
-    its manifest's shard list; `data.identity` when `train` has opened it) must equal the one
-    recorded when the run last started (WORKDIR/data_verified.json), or else the saved data
-    dir's. Read-only."""
+    """data.dir, data.cache_dir and a mixture's dirs and weights may change on resume (the data
+    moved, its local copy did, or the mixture is reweighted) when the data is the same: the
+    same sources (a mixture's by name), and the identity of each requested data dir
+    (storage.data_identity: its manifest's shard list; the opened source's when `train` has
+    opened `data`) equal to the one recorded when the run last started
+    (WORKDIR/data_verified.json), or else the saved data dir's. Read-only."""
     wd = paths.Workdir(workdir)
-    saved_dir, requested_dir = wd.data_dir(saved.data.dir), wd.data_dir(cfg.data.dir)
-    recorded = storage.recorded_identity(workdir)
-    if recorded is None:  # a workdir of an older version: the saved data dir's manifest, if it is there
-        try:
-            recorded = storage.data_identity(saved_dir)
-        except (ValueError, OSError):
-            pass
-    if data is not None:
-        requested = data.identity
-    else:
-        try:
-            requested = storage.data_identity(requested_dir)
-        except (ValueError, OSError):
-            requested = None  # the bundled corpus not prepared yet (train() opened a given data.dir)
-    if recorded is None or requested is None:
-        if saved.data.dir == cfg.data.dir:  # nothing to compare with, and the same data dir
-            return
-        why = (f"no {wd.data_record} and no readable manifest in {saved_dir}"
-               if recorded is None else f"no readable manifest in {requested_dir}")
+    was, now = _sources(saved, wd), _sources(cfg, wd)
+    if sorted(was) != sorted(now):
+        def told(sources):
+            return f"data.dir {sources['']}" if "" in sources else f"the data.mixture sources {', '.join(sources)}"
+
+        keep = (f"--config.data.mixture={saved.data.mixture} (its weights may change)" if "" not in was
+                else f"--config.data.dir={saved.data.dir!r} --config.data.mixture=''")
         raise ValueError(
-            f"{workdir} holds a run trained on {saved_dir}; cannot tell whether {requested_dir} holds the same "
-            f"data ({why}). Resume that run with its data (data.dir={saved.data.dir!r}), or train on "
-            f"{requested_dir} in a new --workdir")
-    if requested != recorded:
-        raise ValueError(
-            f"{workdir} holds a run trained on {saved_dir}, but {requested_dir} holds other data (its manifest "
-            f"lists other shards: identity {requested[:12]}, the run's {recorded[:12]}). Resume that run with its "
-            f"data (data.dir={saved.data.dir!r}, or wherever that data now lies), or train on {requested_dir} in "
-            "a new --workdir")
+            f"{workdir} holds a run trained on {told(was)}, but this run asks for {told(now)}: a run's sources may "
+            f"not change on resume (a mixture's weights may). Resume that run with {keep}, or train on the new "
+            "sources in a new --workdir")
+    opened = {s.name: s.identity for s in data.sources} if data is not None else {}
+    for name, saved_dir in was.items():
+        requested_dir = now[name]
+        what = f"data.mixture source {name!r} ({saved_dir})" if name else saved_dir
+        keep = f"data.mixture source {name}:{saved_dir}" if name else f"data.dir={saved.data.dir!r}"
+        recorded = storage.recorded_identity(workdir, name)
+        if recorded is None:  # a workdir of an older version: the saved data dir's manifest, if it is there
+            try:
+                recorded = storage.data_identity(saved_dir)
+            except (ValueError, OSError):
+                pass
+        requested = opened.get(name)
+        if requested is None:
+            try:
+                requested = storage.data_identity(requested_dir)
+            except (ValueError, OSError):
+                pass  # the bundled corpus not prepared yet (train() opened a given data.dir)
+        if recorded is None or requested is None:
+            if saved_dir == requested_dir:  # nothing to compare with, and the same data dir
+                continue
+            why = (f"no {wd.data_record} and no readable manifest in {saved_dir}"
+                   if recorded is None else f"no readable manifest in {requested_dir}")
+            raise ValueError(
+                f"{workdir} holds a run trained on {what}; cannot tell whether {requested_dir} holds the same "
+                f"data ({why}). Resume that run with its data ({keep}), or train on {requested_dir} in a new "
+                "--workdir")
+        if requested != recorded:
+            raise ValueError(
+                f"{workdir} holds a run trained on {what}, but {requested_dir} holds other data (its manifest "
+                f"lists other shards: identity {requested[:12]}, the run's {recorded[:12]}). Resume that run with "
+                f"its data ({keep}, or wherever that data now lies), or train on {requested_dir} in a new --workdir")
 
 
 def save_failure(ckpts, err) -> cli.Failure:
@@ -465,12 +493,14 @@ def config_edits(path: str, checkpoints: str) -> str:
     return listed + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
-def open_data(cfg, data_dir: str):
-    """The run's data opened and checked once (`pipeline.RunData`): made by data.tokenizer, the
-    train split, ids below model.vocab_size too, and the validation windows."""
-    from onona_jax.data import pipeline
+def open_data(cfg, data_dir: str = ""):
+    """The run's data opened and checked once (`pipeline.RunData`): data.mixture's sources, else
+    `data_dir`; made by data.tokenizer, the train splits, ids below model.vocab_size too, and
+    the validation windows."""
+    from onona_jax.data import mixture, pipeline
 
-    return pipeline.open_for_training(data_dir, cfg.data.seq_len, cfg.eval.windows, cfg.eval.seed,
+    return pipeline.open_for_training(mixture.parse(cfg.data.mixture) or data_dir, cfg.data.seq_len,
+                                      cfg.eval.windows, cfg.eval.seed,
                                       model_vocab=cfg.model.vocab_size, cache_dir=cfg.data.cache_dir or None,
                                       bucket_read=cfg.data.bucket_read, tokenizer=cfg.data)
 
@@ -519,6 +549,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     """Train (or resume) in `workdir`; returns the final evaluation. Holds the workdir's lock
     (`lock.json`) from its first write to its return, whatever ends the run."""
     run = setup(cfg, devices)  # every config check, before any write
+    task_files = downstream.resolve(cfg)  # train.tasks: names and files, likewise (every host reads its own)
     if cfg.train.profile_start > run.steps:
         raise ValueError(f"train.profile_start={cfg.train.profile_start} lies after the run's last step {run.steps}; "
                          f"give a step in 1..{run.steps} (or 0: no trace)")
@@ -527,7 +558,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
     # User data is opened and checked here, once, before anything is written; the run reads it as
     # opened (a bucket's shards copied into data.cache_dir, data/storage.py). The bundled corpus
     # is prepared into the workdir, so after the lock is taken (`prepare_data`).
-    data = open_data(cfg, cfg.data.dir) if cfg.data.dir else None
+    data = open_data(cfg, cfg.data.dir) if cfg.data.dir or cfg.data.mixture else None
     if cfg.init_from and not paths.isdir(paths.Workdir(cfg.init_from).checkpoints):
         raise ValueError(f"init_from={cfg.init_from!r} has no checkpoints/; give a standard run's workdir")
     check_resume(cfg, run, workdir, data)  # the same run, or exit 2 before any write
@@ -543,7 +574,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
                     from jax.experimental import multihost_utils
 
                     multihost_utils.sync_global_devices("resume checked")
-                return _train(cfg, run, workdir, progress, data, startup)
+                return _train(cfg, run, workdir, progress, data, startup, task_files)
             finally:
                 lock.release()
     finally:
@@ -554,7 +585,7 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
                 pass
 
 
-def _train(cfg, run, workdir: str, progress: bool, data=None, startup=None) -> dict:
+def _train(cfg, run, workdir: str, progress: bool, data=None, startup=None, task_files=None) -> dict:
     # The whole run, its failure and the waits after it inside the filter: Orbax's writers fail in
     # their own threads, and a failure waits for them (`Checkpoints.stop`), so they report in here.
     with without_orbax_tracebacks():
@@ -562,7 +593,7 @@ def _train(cfg, run, workdir: str, progress: bool, data=None, startup=None) -> d
         held = {}  # what `_run` opened: "ckpts", "log", "bar", "profiler"; "stepping" once start-up is done
         failed = True
         try:
-            result = _run(cfg, run, workdir, progress, held, data, startup or cli.GracefulStop())
+            result = _run(cfg, run, workdir, progress, held, data, startup or cli.GracefulStop(), task_files)
             failed = False
             return result
         finally:
@@ -589,7 +620,7 @@ def _still_locked() -> bool:
     return True
 
 
-def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=None) -> dict:
+def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=None, task_files=None) -> dict:
     """`startup`: the start-up's `cli.GracefulStop`, checked at its safe points (a SIGINT before
     the first step stops the start there, and `_train` leaves the workdir as it found it)."""
     from tqdm import tqdm
@@ -613,7 +644,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
     try:  # (a full disk here is a runtime refusal: `_train` removes what this start made)
         data = prepare_data(cfg, workdir, data)
         if jax.process_index() == 0:  # every shard against the manifest's hash, once per change of the shard
-            storage.verify_once(data.data_dir, workdir, manifest=data.manifest)
+            data.verify(workdir)
     except OSError as err:
         what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
         raise cli.Failure(f"could not prepare or check the data for {workdir} ({what}); free space (or fix "
@@ -639,7 +670,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
               "failed or were killed)", file=sys.stderr)
     restored = ckpts.restore_latest(abstract_train_state(run))
     batches = pipeline.train_batches(
-        data.train, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
+        data, cfg.data.seq_len, cfg.train.global_batch, seed=cfg.data.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
         read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
     )
@@ -653,7 +684,8 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
         print(f"resumed from step {start} in {ckpts.directory}", file=sys.stderr)
     check_startup(start)
 
-    evaluator = Evaluator(run.graphdef, run.mesh, run.param_shardings)
+    evaluator = Evaluator(run.graphdef, run.mesh, run.param_shardings, run.eot)
+    train_tasks = downstream.TrainTasks(cfg, run.mesh, task_files or {})
     train_step = make_train_step(run)
     all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(t)])),
                          out_shardings=NamedSharding(run.mesh, P()))
@@ -661,12 +693,16 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
     peak = peak_tflops(cfg)
     log = held["log"] = MetricsLog(workdir, cfg)
     log.restart(start)
+    if batches.mixture_change:  # the weights changed on resume: allowed, and recorded
+        log.note(start, mixture_change=batches.mixture_change)
+        print(f"resumed with data.mixture's shares {batches.mixture_change['to']} (the run's were "
+              f"{batches.mixture_change['from']}): the new composition applies from step {start + 1}", file=sys.stderr)
     pending: list[tuple[int, dict]] = []
     last_time, last_step = time.perf_counter(), start
     # Seconds of the current log interval that were not training (the first step's compile, a
-    # validation, a checkpoint's device-to-host copy, writing a profile): kept out of tokens/s and MFU,
-    # logged apart.
-    paused = {"compile_s": 0.0, "validation_s": 0.0, "checkpoint_s": 0.0, "profile_s": 0.0}
+    # validation, a checkpoint's device-to-host copy, writing a profile, scoring train.tasks): kept out
+    # of tokens/s and MFU, logged apart.
+    paused = {"compile_s": 0.0, "validation_s": 0.0, "checkpoint_s": 0.0, "profile_s": 0.0, "task_s": 0.0}
     # Seconds of the interval's training time spent waiting for the next batch (the iterator and
     # the host-to-device copy): counted in tokens/s (an input-bound run is that slow), logged apart
     # per step as data_wait_s beside step_s, so an input-bound run shows at once.
@@ -687,7 +723,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
         tok_s = steps * tokens_per_step / max(training, 1e-9)
         times = {"step_s": max(training - data_wait[0], 0.0) / steps, "data_wait_s": data_wait[0] / steps}
         last_time, last_step = now, pending[-1][0]
-        apart = {k: v for k, v in paused.items() if v}
+        apart = {k: v for k, v in paused.items() if v and k != "task_s"}  # (task_s: logged with its scores)
         apart.update(first_step)
         paused.update(dict.fromkeys(paused, 0.0))
         data_wait[0] = 0.0
@@ -701,6 +737,8 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
                 )
             m["tokens_per_s"] = tok_s
             m.update(times)
+            # each named source's training tokens through step s
+            m.update({f"tokens/{n}": c * cfg.data.seq_len for n, c in batches.consumed(s).items()})
             if peak:  # causal attention at half the square (summary.flops_per_token); PaLM's beside it
                 m["mfu"] = tok_s * flops["train"] / (peak * 1e12 * jax.device_count())
                 m["mfu_full_square"] = tok_s * flops["train_full_square"] / (peak * 1e12 * jax.device_count())
@@ -741,10 +779,21 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
     def validate(step, tables=(None,)):
         jax.block_until_ready(state)  # the steps in flight are training time
         began = time.perf_counter()
-        result = evaluator(state["params"], val_windows, tables, cfg.eval.batch)
+        result = evaluator(state["params"], val_windows, tables, cfg.eval.batch, groups=data.val_groups)
         log.write(step, result)
         paused["validation_s"] += time.perf_counter() - began
         return result
+
+    def score_tasks(step):
+        """train.tasks on the live parameters; every process scores (the batches are sharded over
+        all of them), process 0 writes."""
+        jax.block_until_ready(state)  # the steps in flight are training time
+        began = time.perf_counter()
+        row = train_tasks(state["params"])
+        row["task_s"] = time.perf_counter() - began  # in the scores' own row: the last step's too is logged
+        log.write(step, row)
+        paused["task_s"] += time.perf_counter() - began
+        return row
 
     held["stepping"] = True
     save_timer = SaveTimer(cfg.train.checkpoint_minutes)
@@ -775,10 +824,13 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
             if step % cfg.train.log_every == 0 or step == run.steps:
                 pending.append((step, metrics))
                 flush()
-            elif step % cfg.train.checkpoint_every == 0 or step % cfg.train.eval_every == 0:
+            elif (step % cfg.train.checkpoint_every == 0 or step % cfg.train.eval_every == 0
+                  or train_tasks.due(step, run.steps)):
                 pending.append((step, metrics))
             if step % cfg.train.eval_every == 0 and step != run.steps:
                 validate(step)
+            if train_tasks.due(step, run.steps) and step != run.steps:  # (the last step's: after its validation)
+                score_tasks(step)
             if step % cfg.train.checkpoint_every == 0 or step == run.steps:
                 save(step)
             elif step % cfg.train.log_every == 0 and save_timer.due():
@@ -796,5 +848,7 @@ def _run(cfg, run, workdir: str, progress: bool, held: dict, data=None, startup=
                        "validation", file=sys.stderr)
             return {"step": run.steps, "preempted": True, "interrupted": True}
         result = validate(run.steps, variants(cfg.model))
+        if train_tasks.due(run.steps, run.steps):
+            result.update(score_tasks(run.steps))
     result["step"] = run.steps
     return result

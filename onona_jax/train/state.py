@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import config as config_lib
-from onona_jax import attention, layers, models, sharding, summary
+from onona_jax import attention, layers, models, packing, sharding, summary
 from onona_jax.params import init_params, logical_axes
 from onona_jax.train import optimizer
 
@@ -37,6 +37,7 @@ class Run:
     schedule: object
     steps: int
     accum: int
+    eot: int | None = None  # the end-of-text id with data.packing="documents" (packing.py), else None
 
     @property
     def dp(self) -> int:
@@ -94,7 +95,7 @@ def setup(cfg, devices=None) -> Run:
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     batch_sharding = sharding.batch_sharding(mesh)
     return Run(cfg, mesh, graphdef, abstract_params, param_shardings, state_shardings,
-               batch_sharding, tx, schedule, steps, accum)
+               batch_sharding, tx, schedule, steps, accum, packing.packed_eot(cfg))
 
 
 def abstract_train_state(run: Run):
