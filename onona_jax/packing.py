@@ -51,11 +51,14 @@ def kept(inputs, eot: int):
     return inputs != eot
 
 
-def loss_weights(inputs, eot: int | None):
+def loss_weights(inputs, eot: int | None, total=None):
     """fp32 [B, T] per-target weights of the mean loss: 1/N each (N targets), or with packing
     1/N' on the N' targets `kept` and 0 after each eot. The fused loss takes weights, not a
-    mean, because it forms its gradients in the forward pass (heads.Head.nll)."""
+    mean, because it forms its gradients in the forward pass (heads.Head.nll). `total`: the
+    N' to divide by when these rows are one micro-batch of several (`train.step`), so that the
+    micro-batches' sum is the global batch's mean, not a mean of means."""
     if eot is None:
         return jnp.full(inputs.shape, 1.0 / inputs.size, jnp.float32)
     keep = kept(inputs, eot).astype(jnp.float32)
-    return keep / jnp.maximum(jnp.sum(keep), 1.0)
+    total = jnp.maximum(jnp.sum(keep), 1.0) if total is None else total
+    return keep / total

@@ -89,16 +89,24 @@ def test_equal_losses_across_meshes(tiny_data, meshes):
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=str(mesh))
 
 
-def test_accumulation_equals_one_big_batch(tiny_data):
+@pytest.mark.parametrize("packing", ["windows", "documents"])
+def test_accumulation_equals_one_big_batch(tiny_data, packing):
     """4 micro-batches of 2 give the same loss and gradient (the update before AdamW's
-    normalisation, which amplifies rounding where |g| ~ eps) as one batch of 8."""
+    normalisation, which amplifies rounding where |g| ~ eps) as one batch of 8. Packed, the
+    micro-batches keep different numbers of targets (eots placed so), and the loss is still
+    the global batch's mean over its kept targets, not a mean of micro-batch means."""
     out = {}
     for micro in (8, 2):
         cfg = tiny_config(tiny_data, micro_batch=micro)
         cfg.mesh.data = 1
+        cfg.data.packing = packing
         run = trainer.setup(cfg, jax.devices()[:1])
         params = trainer.init_state(run, cfg.seed)["params"]
         batch = next(pipeline.train_batches(cfg.data.dir, cfg.data.seq_len, cfg.train.global_batch))
+        if packing == "documents":  # row r holds r eots: micro-batch a (rows a, a+4) keeps 2a+4 fewer
+            batch = np.array(batch)
+            for r in range(batch.shape[0]):
+                batch[r, 3 : 3 + 5 * r : 5] = run.eot
         out[run.accum] = jax.jit(lambda p, b: trainer.accumulated_grads(run, p, b))(params, batch)
     (l1, _, g1), (l4, _, g4) = out[1], out[4]
     np.testing.assert_allclose(l4, l1, rtol=1e-6)  # 1e-6 absolute is below fp32 resolution at 10.8

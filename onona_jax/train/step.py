@@ -14,16 +14,17 @@ from onona_jax import models, packing, sharding
 from onona_jax.train.state import Run
 
 
-def loss_and_aux(graphdef, params, tokens, cfg_model, layout=None, eot: int | None = None):
+def loss_and_aux(graphdef, params, tokens, cfg_model, layout=None, eot: int | None = None, kept=None):
     """(objective, aux) of a [b, T+1] batch: the mean next-token NLL (`aux["lm_loss"]`) plus
     the family's auxiliary loss (MoE: aux_coef × load balancing, pooled over layers); aux also
     carries the head's gate statistics (`Head.gate_stats`) and the family's metrics (MoE
     routing). `layout` (`sharding.loss_layout`) shards the fused loss over the mesh; `eot`:
-    the rows are packed documents (`data.packing="documents"`, onona_jax/packing.py)."""
+    the rows are packed documents (`data.packing="documents"`, onona_jax/packing.py), and
+    `kept` the count of targets the mean divides by (default: this batch's)."""
     model = models.bind(graphdef, params)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     h, x0, stats = model.forward(inputs, eot=eot)
-    weights = packing.loss_weights(inputs, eot)  # the mean as per-target weights (the fused loss's form)
+    weights = packing.loss_weights(inputs, eot, kept)  # the mean as per-target weights (the fused loss's form)
     loss, _ = model.head.nll(h, x0, targets, weights, layout)
     aux = {"lm_loss": loss}
     aux.update(model.head.gate_stats(inputs))  # the head's gate moments (none without a gate)
@@ -37,9 +38,14 @@ def accumulated_grads(run: Run, params, batch):
     scanned in sequence (one compiled body)."""
     A = run.accum
     layout = sharding.loss_layout(run.mesh)
-    grad_fn = jax.value_and_grad(lambda p, b: loss_and_aux(run.graphdef, p, b, run.cfg.model, layout, run.eot),
-                                 has_aux=True)
     G, T1 = batch.shape
+    # Packed rows keep a varying number of targets per micro-batch: each divides by the global
+    # count / A, so the A micro-batches average to the global batch's mean (as MaxText sums
+    # weights across micro-batches), not to a mean of micro-batch means.
+    kept = None if run.eot is None else (
+        jnp.maximum(jnp.sum(packing.kept(batch[:, :-1], run.eot), dtype=jnp.float32), 1.0) / A)
+    grad_fn = jax.value_and_grad(
+        lambda p, b: loss_and_aux(run.graphdef, p, b, run.cfg.model, layout, run.eot, kept), has_aux=True)
     # Micro-batch a takes rows a, a+A, a+2A, ...: each device keeps its own rows, and the
     # grouping does not depend on the mesh.
     micro = batch.reshape(G // A, A, T1).swapaxes(0, 1)
