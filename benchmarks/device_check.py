@@ -72,6 +72,7 @@ FAMILY_VARIANTS = (
 # Packed documents (data.packing=documents, issue 40): twin, fused loss, its document masks in
 # cuDNN's kernel and in XLA's, against fused+cudnn and fused+xla on the same batch (windows).
 PACKED_VARIANTS = (("documents+cudnn", "cudnn"), ("documents+xla", "xla"))
+EOT = 50256  # GPT-2's end of text, the bundled corpus's document end
 
 
 def plan():
@@ -141,7 +142,8 @@ def markdown(res) -> str:
     m = res["machine"]
     lines = [f"# device check, {res['date']}", "",
              f"{m['device']} ({m['backend']}), jax {m['jax']}; {res['size']} Dense (and MoE, GDN rows), micro-batch "
-             f"{res['batch']} × {res['seq_len']}, {res['steps']} timed steps after 2 warm-up"
+             f"{res['batch']} × {res['seq_len']}, {res['steps']} timed steps after 2 warm-up, "
+             f"{res.get('batch_eots', '?')} ends of text in the batch (the documents rows' boundaries)"
              + (" — DRY RUN (tiny shapes)" if res["dry_run"] else ""), "",
              f"Machine: {common.machine_line(m)}; load after {m['load_after'][0]:.2f}", "",
              "| head | variant | tokens/s | MFU (causal) | MFU (full square) | median step ms | XLA peak GiB | XLA temp GiB | allocator peak GiB | compile s |",
@@ -200,7 +202,15 @@ def _main(args, rest, argv):
            "machine": common.record(), "train": {}, "decode": None}
     from onona_jax.data import pipeline
 
-    tokens = np.asarray(next(pipeline.train_batches(bench.prepared_data(seq), seq, batch)))
+    # The first batch that holds an end of text, so the documents rows mask something (at the
+    # full shape the first does: 171 in 16 × 1,025 tokens; a dry run's 2 × 33 mostly none).
+    batches = pipeline.train_batches(bench.prepared_data(seq), seq, batch)
+    tokens = np.asarray(next(batches))
+    for _ in range(1000):
+        if (tokens == EOT).any():
+            break
+        tokens = np.asarray(next(batches))
+    res["batch_eots"] = int((tokens == EOT).sum())
     for key, head, kwargs in plan():
         if time.perf_counter() - t_start > args.budget_s:
             res["train"][key] = {"status": f"skipped (time budget {args.budget_s:.0f} s spent)"}

@@ -64,6 +64,7 @@ def test_device_check_dry_run_all(tmp_path):
     firsts = ("twin/moe:sort", "twin/gdn:highest", "twin/documents+xla")
     for k in firsts:
         assert 9.5 < stepped[k]["loss"] < 11.5, (k, stepped[k]["loss"])
+    assert res["batch_eots"] > 0
     assert stepped["twin/documents+xla"]["loss"] != stepped["twin/fused+xla"]["loss"]
     for k, r in stepped.items():
         if k in firsts:
