@@ -82,10 +82,7 @@ def causal_attention(q, k, v, impl: str | None = "auto", segments=None):
         return splash_attention(q, k, v, interpret=sharding.platform() != "tpu", segments=segments)
     if impl == "xla" and sharding.platform() == "cpu":
         return _query_blocked(q, k, v, segments)
-    if segments is None:
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
-    # The whole square with a [B, 1, T, T] bool mask (shared by the heads). For cuDNN, jax 0.10.2
+    # With segments, the whole square under a [B, 1, T, T] bool mask. For cuDNN, jax 0.10.2
     # offers two document forms: this mask, which it turns into an additive bias in the compute
     # dtype (bf16 [B, 1, T, T]; is_causal still lets the kernel skip the upper tiles), and the
     # packed layout (`q_offsets`/`kv_offsets` with per-document lengths), which builds no [T, T]
@@ -95,9 +92,14 @@ def causal_attention(q, k, v, impl: str | None = "auto", segments=None):
     # bound on documents per row. Hence the mask: compiled deviceless for an H100 host it is
     # cuDNN's `fmhaScaleBiasSoftmax` and its backward (which also writes an unused dbias); jax's
     # own tests run this mask only broadcast over the batch, so confirm [B, 1, T, T] on a GPU.
-    same = segments[:, None, :, None] == segments[:, None, None, :]
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=same, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
+    return jax.nn.dot_product_attention(q, k, v, mask=_document_mask(segments), is_causal=True,
+                                        scale=1.0 / math.sqrt(q.shape[-1]), implementation=impl)
+
+
+def _document_mask(segments):
+    """bool [B, 1, T, T]: query and key of one document (shared by the heads); None without
+    segments, which is dot_product_attention's own default (the causal program unchanged)."""
+    return None if segments is None else segments[:, None, :, None] == segments[:, None, None, :]
 
 
 def check_segments(segments, q) -> None:
@@ -118,10 +120,8 @@ def _query_blocked(q, k, v, segments=None):
     T, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
     block = max(CPU_QUERY_BLOCK, -(-T // CPU_QUERY_BLOCKS))
     if T <= block:
-        if segments is None:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
-        same = segments[:, None, :, None] == segments[:, None, None, :]
-        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, scale=scale, implementation="xla")
+        return jax.nn.dot_product_attention(q, k, v, mask=_document_mask(segments), is_causal=True, scale=scale,
+                                            implementation="xla")
     outs = []
     for a in range(0, T, block):
         b = min(a + block, T)
