@@ -32,6 +32,9 @@ HEAD_RULES = ("mixture", "mos")
 @strict
 class OnonaConfig(Qwen3Config):
     model_type = "onona"
+    # No valid config without head_outputs: transformers < 5.20 (vLLM's pin) builds `cls()` to
+    # diff against in __repr__ / to_diff_dict unless told not to (a plain class attribute, not a field).
+    has_no_defaults_at_init = True
 
     family: str = "dense"
     head: str = "twin"

@@ -59,12 +59,19 @@ from .configuration_onona import OnonaConfig
 def mixture_log_probs(h, tables, log_weights=None, score=""):
     """fp32 [..., V]: log Σ_k w_k softmax(score(h T_kᵀ)) in log space, w = exp(log_weights)
     [..., K] (None for one table); exact where a weight would round to 0."""
-    parts = []
-    for T in tables:
-        z = (h @ T.T).float()
-        if score == "sigsoftmax":
-            z = 2.0 * z - F.softplus(z)  # log(exp(z)·σ(z))
-        parts.append(F.log_softmax(z, dim=-1))
+    return mixture_from_logits([h @ T.T for T in tables], log_weights, score)
+
+
+def scored_logits(z, score=""):
+    """fp32 logits of one component: z, or log(exp(z)·σ(z)) = 2z − softplus(z) for sigsoftmax."""
+    z = z.float()
+    return 2.0 * z - F.softplus(z) if score == "sigsoftmax" else z
+
+
+def mixture_from_logits(logits, log_weights=None, score=""):
+    """`mixture_log_probs` from the K tables' logits z_k = h T_kᵀ [..., V] (any float dtype),
+    for callers that project themselves (the vLLM plugin's vocab-parallel heads)."""
+    parts = [F.log_softmax(scored_logits(z, score), dim=-1) for z in logits]
     if log_weights is None:
         return parts[0]
     lw = log_weights.float()
