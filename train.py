@@ -8,7 +8,6 @@
 from absl import flags
 
 from onona_jax import cli
-from onona_jax import config as config_lib
 
 DEFAULT_CONFIG = "configs/paper.py:dense-small-twin"
 # The lock now knows a live holder from a dead one everywhere (onona_jax/train/lock.py), so there
@@ -24,6 +23,10 @@ def define(fv, argv):
     flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>)", flag_values=fv)
     flags.DEFINE_bool("break_lock", False, "retired: a workdir's lock is never taken from a live run, and a "
                       "dead run's is taken without it (README: What is guaranteed)", flag_values=fv)
+    if cli.help_asked(argv[1:]):
+        return cli.define_config_for_help(fv, DEFAULT_CONFIG)
+    from onona_jax import config as config_lib  # (here, not at the top: --help stays fast without jax)
+
     return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
 
 

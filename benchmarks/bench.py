@@ -1,8 +1,23 @@
-"""Performance of the training step, the data pipeline and decoding, standard vs twin.
+"""One device's benchmarks of the model: its train step (memory, FLOPs, time), the data pipeline,
+decoding, the four families, MoE dispatch, compile time and its cache, data preparation, and the
+fingerprint of the program a slice would run. `--what` picks the mode (default: sections); each
+mode has its own flags (`--what=<mode> --help` lists them):
 
-    python benchmarks/bench.py [--size=142m|small|tiny] [--steps=5] [--output=bench.json]
+    python benchmarks/bench.py [--what=sections] [--size=142m|small|tiny] [--steps=5] [--output=bench.json]
         [--time_size=small] [--chunks=2048,4096,8192,16384] [--remat=none,full]
-        [--sections=memory,flops,time,data,decode] [--config.model.attention_impl=cudnn]
+        [--sections=memory,flops,time,data,decode,head_memory] [--config.model.attention_impl=cudnn]
+    python benchmarks/bench.py --what=families [--size=small] [--steps=10] [--warmup=2] [--nocompile] [--output=FILE]
+    python benchmarks/bench.py --what=moe [--reps=10] [--shapes=tiny,small,142m,142m-T512]
+    python benchmarks/bench.py --what=compile --config=configs/paper.py:dense-142m-twin [--micro_batch=1]
+    python benchmarks/bench.py --what=compile_cache [--config=configs/paper.py:dense-small-twin]
+        [--aot_config=configs/paper.py:dense-142m-twin --aot_topology=v5e-16]
+    flock /tmp/onona-heavy.lock python benchmarks/bench.py --what=prepare [--copies=4] [--rounds=3]
+        [--workers=1,2] [--format=jsonl] [--output=FILE]
+    PYTHONPATH=/tmp/base python benchmarks/bench.py --what=program_hash --root=/tmp/base   # before a change
+    python benchmarks/bench.py --what=program_hash                                          # after it
+        [--slice=v5e-16] [--configs=dense-142m-twin,dense-142m-standard,gdn-142m-twin] [--micro_batch=4]
+
+## --what=sections (the default)
 
 Sections (each a table on stdout and a key of the JSON output):
 
@@ -35,6 +50,71 @@ Sections (each a table on stdout and a key of the JSON output):
 * decode  -- `serving.Server.generate` tokens/s at `--time_size` (random-init weights, no
   stop token): greedy and temperature-1 sampling of the mixture (two projections) and the
   exact one-projection sampler (twin), and standard greedy/sampling; round-robin, medians.
+
+## --what=families
+
+Train-step time and compile time of the four decoder families (dense, moe, gdn, attnres) under
+the standard and twin heads. Every variant (family × head, as `configs/paper.py:<arch>-<size>-<head>`,
+its own batch and sequence length) is compiled and warmed up first; then the timed steps run
+round-robin, one step of each variant in turn, so that load from other jobs hits all variants
+alike and the ratios to Dense hold on a noisy machine. Reported per variant: the median step
+time over `--steps` timed steps, its ratio to Dense with the same head, tokens/s (global_batch ×
+seq_len / median), and the compile time of the full train step (forward, backward, AdamW)
+lowered from abstract shapes with and without `scan_layers` (as --what=compile). Batches are
+random tokens: the step's work does not depend on their values (MoE capacity buffers have fixed
+shapes). Prints a Markdown table and writes JSON with `--output`.
+
+## --what=moe
+
+Grouped (ragged_dot), dense (one-hot einsum) and sort (gather) MoE dispatch: one MoE layer's
+jitted forward and forward+backward, fp32, at the tiny/small configs' training shapes and at 142M
+widths with a short sequence; every dispatch compiled first, then timed in alternation. Prints
+JSON (milliseconds, min and median of --reps).
+
+## --what=compile
+
+Compile time of the training step with and without layer scanning: the full train step
+(forward, backward, AdamW) of `--config` lowered and compiled from abstract shapes on one device
+of this machine, so nothing is allocated; prints one JSON line of seconds per variant.
+
+## --what=compile_cache
+
+Compile time of a first and a second start with the persistent compilation cache (issue 27).
+Each start is a new process with an empty in-memory cache, sharing one fresh cache directory
+(train.compile_cache, default threshold train.compile_cache_min_s = 1 s):
+
+* train: `python train.py` for one step (`--config` and its `--config.*` overrides), twice (a
+  fresh workdir each; the second reads the data the first prepared); the figure is the first
+  logged step's `compile_s` (the train step's compile, or its load from the cache) and
+  `compile_cache_hits`.
+* aot (with --aot_config): `python -m onona_jax.aot` twice, deviceless with libtpu, under
+  `flock /tmp/onona-heavy.lock` (heavy compiles queue on that lock), the cache turned on through
+  JAX_COMPILATION_CACHE_DIR (`onona_jax.aot` leaves it off: README, "Compilation cache"); the
+  figure is the report's train-step `compile_s` (lower + compile).
+
+Prints one JSON object with both starts' seconds per part.
+
+## --what=prepare
+
+Throughput of `python -m onona_jax.data.prepare` (tokens/s) against --workers, end to end. The
+corpus is the bundled Austen text repeated `--copies` times (about 1M tokens a copy), one
+document per paragraph, written as `.jsonl` (or `.txt`/`.parquet`). Each round times one full
+prepare per worker count, in turn (paired rounds: load from other jobs on a shared machine hits
+every arm alike), including the start of the worker processes and the writing of the shards.
+Prints tokens/s per arm (median over rounds), each round's speed-up over the first arm, the CPU
+seconds of the main process and of the workers (how the work divides, whatever the load), the
+load average before and after, and checks that every arm wrote bit-identical shards (exit 1 if
+not). This process runs no jax, so prepare's worker pool forks as it does for a user.
+
+## --what=program_hash
+
+A fingerprint of the train step a slice would run: the sha256 of its lowered program (StableHLO,
+deviceless, no compile), per config. Two checkouts that print the same hashes compile the same
+program, so its HBM and FLOPs (`python -m onona_jax.aot`) are equal too; a CPU-only change
+(loss.resolve_token_tile, attention's query blocks) must leave them unchanged: run it with the
+checkout before the change on PYTHONPATH and `--root` (its configs), then in this one. The mesh
+is `--slice`'s devices on the fsdp axis, `--micro_batch` sequences per device. A GPU slice
+(h100-8, ...) needs the CUDA plugin (`pip install -e '.[gpu-aot]'`).
 """
 
 from __future__ import annotations
@@ -43,23 +123,23 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from absl import flags
 
 import common  # benchmarks/common.py, beside this script
-from onona_jax import chips, cli
-from onona_jax import config as config_lib
-from onona_jax import loss as loss_lib
-from onona_jax import summary
-from onona_jax import train as trainer
+from onona_jax import cli
+
+# jax (and the onona_jax modules that import it: config, loss, summary, train) is imported where
+# it is used: a mode that runs no jax in this process (--what=prepare, whose worker pool forks only
+# where no other thread runs; --what=program_hash, which picks JAX's platform first, and may run
+# with an older checkout's onona_jax on PYTHONPATH) starts none.
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper.py"
 GIB = 2.0 ** 30
@@ -85,6 +165,8 @@ def make_config(size, head, loss="fused", chunk=None, batch=None, seq=None, scan
                 arch="dense"):
     """The paper's config of `arch` (Dense by default) on one device, one micro-batch of
     `batch` × `seq` a step."""
+    from onona_jax import config as config_lib
+
     cfg = config_lib.load(f"{CONFIGS}:{arch}-{size}-{head}")
     if OVERRIDES:
         cfg.update_from_flattened_dict(OVERRIDES)
@@ -117,6 +199,11 @@ def vocab_tiled_ok(head):
 
 def lower_step(cfg):
     """(run, Lowered train step) from abstract shapes: nothing of the model is allocated."""
+    import jax
+    import jax.numpy as jnp
+
+    from onona_jax import train as trainer
+
     run = trainer.setup(cfg, jax.devices()[:1])
     state = trainer.abstract_train_state(run)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jnp.int32,
@@ -135,10 +222,14 @@ def memory_stats(compiled) -> dict:
 
 
 def model_flops_per_token(cfg) -> float:
+    from onona_jax import summary
+
     return summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
 
 
 def default_chunk() -> int:
+    from onona_jax import config as config_lib
+
     return int(config_lib.base_config().model.loss_chunk)
 
 
@@ -149,6 +240,8 @@ def bench_memory(size, batch, seq, chunks, remats, log, heads=HEADS, losses=LOSS
     """Peak temporary / argument memory of the compiled step per head × loss (× chunk of the
     vocabulary-tiled loss). The plain loss only for `plain_heads` (MoS's plain step at 142M
     holds K [tokens, V] logits: slow to compile, and the point is made by standard/twin)."""
+    from onona_jax import loss as loss_lib
+
     dc = default_chunk()
     heads = tuple(dict.fromkeys(("standard", "twin") + tuple(heads)))
     out = {"size": size, "batch": batch, "seq_len": seq, "default_chunk": dc, "by_remat": {}}
@@ -212,9 +305,12 @@ def bench_head_memory(size, batch, seq, heads, losses, log, token_tile=None, chu
     value-and-gradient of `head.nll` (mean over batch × seq tokens) w.r.t. the head's
     weights, h (bf16 as in training) and x0, per head × loss. Seconds to compile, where the
     whole step takes minutes on CPU; it isolates what the loss itself allocates."""
+    import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from onona_jax import heads as heads_lib
+    from onona_jax import loss as loss_lib
 
     rows = {}
     for head in heads:
@@ -349,6 +445,9 @@ def prepared_data(seq_len):
 
 def bench_time(size, batch, seq, chunks, steps, log):
     """Step time of every head × loss (× chunk) at one size, stepped round-robin."""
+    import jax
+
+    from onona_jax import train as trainer
     from onona_jax.data import pipeline
 
     dc = default_chunk()
@@ -435,6 +534,7 @@ def format_time(tm) -> str:
 def bench_data(shapes, consumption, flops_142m_twin, log, batches=20, threads=(1,)):
     """tokens/s of the training batch iterator at each (label, seq_len, global_batch) and each
     data.read_threads (prefetch = max(2, threads), the least the config accepts above 2)."""
+    from onona_jax import chips
     from onona_jax.data import pipeline
 
     out = {"rows": {}}
@@ -543,6 +643,8 @@ def format_decode(dc) -> str:
 
 def targets(res) -> dict:
     """The issue's targets, each met / not met / not measured, with the number behind it."""
+    import jax
+
     out = {}
     mem = res.get("memory")
     if mem:
@@ -587,7 +689,9 @@ def targets(res) -> dict:
     return out
 
 
-def define(fv, argv):
+def define_sections(fv, argv):
+    from onona_jax import config as config_lib
+
     sizes = ("142m", "small", "tiny", "330m", "1b")
     flags.DEFINE_enum("size", "142m", sizes, "memory and FLOP shapes", flag_values=fv)
     flags.DEFINE_integer("micro_batch", 16, "rows per step for memory/FLOPs", flag_values=fv)
@@ -613,7 +717,9 @@ def define(fv, argv):
     return config_lib.define_flag(fv, argv, f"{CONFIGS}:dense-142m-twin")
 
 
-def _main(fv, rest, argv):
+def main_sections(fv, rest, argv):
+    from onona_jax import config as config_lib
+
     if rest:
         raise cli.UsageError(f"unexpected arguments {rest}")
     args = fv
@@ -679,9 +785,533 @@ def _main(fv, rest, argv):
         log(f"wrote {args.output}")
 
 
+# ----------------------------------------------------------------------------- --what=families
+
+
+FAMILIES = ("dense", "moe", "gdn", "attnres")
+
+
+def compile_seconds(cfg) -> float:
+    """Seconds to lower and compile the train step from abstract shapes on one device (nothing
+    allocated; the setup before it not counted)."""
+    import jax
+
+    from onona_jax import train as trainer
+
+    run = trainer.setup(cfg, jax.devices()[:1])
+    state = trainer.abstract_train_state(run)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
+                                 sharding=run.batch_sharding)
+    step = trainer.make_train_step(run)
+    start = time.perf_counter()
+    step.lower(state, batch).compile()
+    return time.perf_counter() - start
+
+
+def family_config(arch, size, head, scan=True):
+    from onona_jax import config as config_lib
+
+    cfg = config_lib.load(f"{CONFIGS}:{arch}-{size}-{head}")
+    cfg.mesh.update(data=1, fsdp=1, tensor=1)
+    cfg.model.scan_layers = scan
+    return cfg
+
+
+class Variant:
+    """One family × head: its compiled step, live state and a fixed random batch."""
+
+    def __init__(self, arch, size, head, seed=0):
+        import jax
+
+        from onona_jax import summary
+        from onona_jax import train as trainer
+
+        self.arch, self.head = arch, head
+        self.label = f"{arch}-{size}-{head}"
+        self.cfg = cfg = family_config(arch, size, head)
+        self.run = trainer.setup(cfg, jax.devices()[:1])
+        self.state = trainer.init_state(self.run, cfg.seed)
+        self.step_fn = trainer.make_train_step(self.run)
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, 50257, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
+        self.batch = trainer.global_batch(self.run, tokens)
+        self.tokens = cfg.train.global_batch * cfg.data.seq_len
+        self.times: list[float] = []
+        counts = summary.param_counts(cfg.model)
+        self.non_embedding, self.active = counts["non_embedding"], counts["active"]
+        self.flops = summary.flops_per_token(cfg.model, cfg.data.seq_len)["train"]
+
+    def step(self) -> float:
+        import jax
+
+        start = time.perf_counter()
+        self.state, metrics = self.step_fn(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        elapsed = time.perf_counter() - start
+        self.loss = float(metrics["loss"])
+        return elapsed
+
+
+def bench_families(size, families, heads, steps, warmup, compile_times=True, log=print):
+    variants = []
+    for arch, head in [(arch, head) for head in heads for arch in families]:
+        start = time.perf_counter()
+        v = Variant(arch, size, head)
+        for _ in range(warmup + 1):  # the first call compiles
+            v.step()
+        log(f"{v.label}: ready in {time.perf_counter() - start:.1f} s")
+        variants.append(v)
+    for i in range(steps):  # round-robin: one step of every variant in turn
+        for v in variants:
+            v.times.append(v.step())
+        log(f"round {i + 1}/{steps}")
+    rows = []
+    for v in variants:
+        median = statistics.median(v.times)
+        rows.append(dict(
+            arch=v.arch, head=v.head, config=v.label,
+            non_embedding=v.non_embedding, active=v.active, train_flops_per_token=v.flops,
+            global_batch=v.cfg.train.global_batch, seq_len=v.cfg.data.seq_len,
+            step_s_median=median, step_s_min=min(v.times), steps=len(v.times),
+            tokens_per_s=v.tokens / median, final_loss=v.loss,
+        ))
+    for r in rows:
+        dense = next(d for d in rows if d["arch"] == "dense" and d["head"] == r["head"])
+        r["vs_dense"] = r["step_s_median"] / dense["step_s_median"]
+    if compile_times:
+        for r in rows:
+            for scan in (True, False):
+                key = "compile_s_scan" if scan else "compile_s_unrolled"
+                r[key] = compile_seconds(family_config(r["arch"], size, r["head"], scan))
+            log(f"{r['config']}: compile {r['compile_s_scan']:.1f} s scanned, "
+                f"{r['compile_s_unrolled']:.1f} s unrolled")
+    return rows
+
+
+def format_families(rows) -> str:
+    has_compile = "compile_s_scan" in rows[0]
+    head = ("| config | non-embedding | train GFLOP/token | step (median) | × Dense | tokens/s |"
+            + (" compile scanned | compile unrolled |" if has_compile else ""))
+    sep = "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if has_compile else "")
+    lines = [head, sep]
+    for r in rows:
+        line = (f"| {r['config']} | {r['non_embedding']:,} | {r['train_flops_per_token'] / 1e9:.4f} | "
+                f"{r['step_s_median'] * 1e3:.0f} ms | {r['vs_dense']:.2f} | {r['tokens_per_s']:,.0f} |")
+        if has_compile:
+            line += f" {r['compile_s_scan']:.1f} s | {r['compile_s_unrolled']:.1f} s |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def define_families(fv, argv):
+    flags.DEFINE_string("size", "small", "a configs/paper.py size: small (default) or tiny", flag_values=fv)
+    flags.DEFINE_integer("steps", 10, "timed steps per variant", flag_values=fv)
+    flags.DEFINE_integer("warmup", 2, "untimed steps per variant after compiling", flag_values=fv)
+    flags.DEFINE_list("families", list(FAMILIES), "families to time (dense among them)", flag_values=fv)
+    flags.DEFINE_list("heads", list(HEADS), "heads to time", flag_values=fv)
+    flags.DEFINE_bool("compile", True, "measure compile times (--nocompile: skip)", flag_values=fv)
+    flags.DEFINE_string("output", "", "write the results as JSON here", flag_values=fv)
+
+
+def main_families(fv, rest, argv):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    families, heads = fv.families, fv.heads
+    if "dense" not in families:
+        raise cli.UsageError("--families must include dense (the ratios are to it)")
+    if set(families) - set(FAMILIES):
+        raise cli.UsageError(f"--families={','.join(families)}: choose from {', '.join(FAMILIES)}")
+    rows = bench_families(fv.size, families, heads, fv.steps, fv.warmup, fv.compile, common.log)
+    table = format_families(rows)
+    print(table)
+    if fv.output:
+        meta = dict(
+            date=datetime.date.today().isoformat(), command="python benchmarks/bench.py " + " ".join(argv),
+            size=fv.size, steps=fv.steps, warmup=fv.warmup, machine=common.record(),
+        )
+        with open(fv.output, "w") as f:
+            json.dump({**meta, "rows": rows, "markdown": table}, f, indent=2)
+
+
+# ----------------------------------------------------------------------------- --what=moe
+
+
+# name -> (config, batch, seq)
+MOE_SHAPES = {
+    "tiny": ("moe-tiny-twin", 8, 32),
+    "small": ("moe-small-twin", 8, 128),
+    "142m": ("moe-142m-twin", 2, 128),
+    "142m-T512": ("moe-142m-twin", 1, 512),
+}
+
+
+def moe_build(name, dispatch):
+    """(shape, {"forward", "fwd_bwd"} jitted, (params, x)) of one MoE layer at one shape and dispatch."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from onona_jax import config as config_lib
+    from onona_jax.models import moe
+    from onona_jax.params import abstract_state, init_params
+
+    spec, B, T = MOE_SHAPES[name]
+    m = config_lib.load(f"{CONFIGS}:{spec}").model
+    m.moe.dispatch = dispatch
+    graphdef, state = abstract_state(lambda: moe.MoE(m))
+    params = init_params(state, 0)
+    x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), jnp.float32)
+
+    def loss(p, x):
+        y, aux = nnx.merge(graphdef, p)(x)
+        return jnp.mean(jnp.square(y)) + moe.load_balancing_loss(aux, m.moe.n_experts)
+
+    fwd = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)[0])
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    C = moe.capacity(T, m.moe.n_experts, m.moe.top_k, m.moe.capacity_factor)
+    shape = dict(B=B, T=T, d=m.d_model, f=m.moe.d_expert, E=m.moe.n_experts, k=m.moe.top_k, C=C)
+    return shape, {"forward": fwd, "fwd_bwd": step}, (params, x)
+
+
+def bench_moe(name, reps):
+    """Every dispatch compiled first, then timed in alternation, so load from other processes
+    on a shared machine hits them alike; the minimum is the least disturbed run."""
+    import jax
+
+    from onona_jax.models import moe
+
+    built = {d: moe_build(name, d) for d in moe.DISPATCH}
+    times = {(d, k): [] for d in built for k in ("forward", "fwd_bwd")}
+    compile_ms = {}
+    for d, (_, fns, args) in built.items():
+        t0 = time.perf_counter()
+        for fn in fns.values():
+            jax.block_until_ready(fn(*args))
+        compile_ms[d] = round((time.perf_counter() - t0) * 1e3)
+    for _ in range(reps):
+        for d, (_, fns, args) in built.items():
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[(d, k)].append((time.perf_counter() - t0) * 1e3)
+    res = {"shape": built["sort"][0]}
+    for d in built:
+        res[d] = {f"{k}_ms_{stat}": round(float(f(times[(d, k)])), 2)
+                  for k in ("forward", "fwd_bwd") for stat, f in (("min", np.min), ("median", np.median))}
+        res[d]["compile_ms"] = compile_ms[d]
+    res["faster_fwd_bwd"] = min(built, key=lambda d: res[d]["fwd_bwd_ms_min"])
+    return res
+
+
+def define_moe(fv, argv):
+    flags.DEFINE_integer("reps", 10, "timed repetitions per dispatch", flag_values=fv)
+    flags.DEFINE_list("shapes", list(MOE_SHAPES), "shapes to time", flag_values=fv)
+
+
+def main_moe(fv, rest, argv):
+    import jax
+
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    if set(fv.shapes) - set(MOE_SHAPES) or fv.reps < 1:
+        raise cli.UsageError(f"--shapes={','.join(fv.shapes)}: choose from {', '.join(MOE_SHAPES)}; --reps ≥ 1")
+    out = {"backend": jax.default_backend(), "devices": jax.device_count(), "results": {}}
+    for name in fv.shapes:
+        res = out["results"][name] = bench_moe(name, fv.reps)
+        common.log(json.dumps({name: res}))  # progress; stdout holds the one JSON of all
+    out["machine"] = common.record()
+    print(json.dumps(out, indent=2))
+
+
+# ----------------------------------------------------------------------------- --what=compile
+
+
+def define_compile(fv, argv):
+    from onona_jax import config as config_lib
+
+    flags.DEFINE_integer("micro_batch", 1, "rows per micro-batch (compile only)", flag_values=fv)
+    return config_lib.define_flag(fv, argv, f"{CONFIGS}:dense-142m-twin")
+
+
+def main_compile(fv, rest, argv):
+    import jax
+
+    from onona_jax import config as config_lib
+
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    out = {}
+    for scan in (True, False):
+        cfg = fv.config.copy_and_resolve_references()
+        cfg.mesh.data = 1
+        cfg.model.scan_layers = scan
+        cfg.train.global_batch = cfg.train.micro_batch = fv.micro_batch
+        out["scan" if scan else "loop"] = round(compile_seconds(config_lib.validate(cfg)), 1)
+    out.update(config=fv.config.name, layers=cfg.model.n_layers, backend=jax.default_backend(),
+               machine=common.record())
+    print(json.dumps(out))
+
+
+# ----------------------------------------------------------------------------- --what=compile_cache
+
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def define_compile_cache(fv, argv):
+    from onona_jax import config as config_lib
+
+    flags.DEFINE_string("aot_config", "", "also time `python -m onona_jax.aot` of this config (e.g. "
+                        "configs/paper.py:dense-142m-twin)", flag_values=fv)
+    flags.DEFINE_string("aot_topology", "v5e-16", "the AOT compile's slice", flag_values=fv)
+    flags.DEFINE_string("aot_remat", "attention", "model.remat of the AOT compile (docs/SCALING.md: --fit's plan "
+                        "for dense-142m on v5e-16)", flag_values=fv)
+    flags.DEFINE_string("lock", "/tmp/onona-heavy.lock", "flock file the AOT compiles queue on ('' for none)",
+                        flag_values=fv)
+    return config_lib.define_flag(fv, argv, f"{CONFIGS}:dense-small-twin")
+
+
+def _start(cmd, **extra_env) -> tuple[float, str]:
+    """(wall seconds, stdout) of one new process `cmd` in the checkout's root (this checkout's
+    onona_jax first on its path; the compilation cache given explicitly, not ONONA_COMPILE_CACHE)."""
+    env = dict(os.environ, **extra_env)
+    env.pop("ONONA_COMPILE_CACHE", None)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    began = time.perf_counter()
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise cli.Failure(f"{' '.join(cmd)} failed with exit status {p.returncode}: {last}")
+    return time.perf_counter() - began, p.stdout
+
+
+def train_start(config_args: list[str], cache: str, workdir: str, data_dir: str) -> dict:
+    """One `train.py` start of one step; `config_args`: the `--config=` and `--config.*` arguments."""
+    from onona_jax import paths
+
+    wall, _ = _start([sys.executable, "train.py", *config_args, f"--workdir={workdir}",
+                      f"--config.train.compile_cache={cache}", f"--config.data.dir={data_dir}",
+                      "--config.train.steps=1", "--config.train.log_every=1", "--config.eval.windows=8",
+                      "--config.mesh.data=1"])
+    first = json.loads(open(paths.Workdir(workdir).metrics).readline())
+    return {"compile_s": round(first["compile_s"], 2), "compile_cache_hits": first["compile_cache_hits"],
+            "process_s": round(wall, 1)}
+
+
+def aot_start(fv, cache: str) -> dict:
+    cmd = [sys.executable, "-m", "onona_jax.aot", f"--config={fv.aot_config}", f"--topology={fv.aot_topology}",
+           "--config.mesh.data=1", "--config.mesh.fsdp=-1", f"--config.model.remat={fv.aot_remat}",
+           "--eval_step=false", "--json"]
+    # onona_jax.aot leaves the cache off (README: a compile-only client cannot load an entry back); JAX's
+    # own variables turn it on for this measurement, as train.compile_cache would.
+    wall, out = _start((["flock", fv.lock] if fv.lock else []) + cmd, JAX_COMPILATION_CACHE_DIR=cache,
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")
+    report = json.loads(out)
+    (head, r), = report["heads"].items()
+    return {"compile_s": r["train"]["compile_s"], "process_s": round(wall, 1)}
+
+
+def main_compile_cache(fv, rest, argv):
+    from onona_jax import config as config_lib
+
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    if fv.aot_config:
+        config_lib.load(fv.aot_config)  # a bad spec: one error line now, not after the train.py starts
+    spec = common.config_args(fv, argv, f"{CONFIGS}:dense-small-twin")[0]
+    config_args = [f"--config={spec}", *(a for a in argv if a.startswith("--config."))]  # as train.py parses them
+    result = {"date": time.strftime("%Y-%m-%d")}
+    with tempfile.TemporaryDirectory(prefix="onona-compile-cache-") as tmp:
+        cache = os.path.join(tmp, "cache")
+        first = train_start(config_args, cache, os.path.join(tmp, "a"), "")
+        data = os.path.join(tmp, "a", "data")  # what the first start prepared
+        second = train_start(config_args, cache, os.path.join(tmp, "b"), data)
+        result["train"] = {"config": spec, "overrides": config_args[1:], "first": first,
+                           "second": second, "cache_entries": sorted(os.listdir(cache))}
+        if fv.aot_config:
+            aot_cache = os.path.join(tmp, "aot_cache")
+            result["aot"] = {"config": fv.aot_config, "topology": fv.aot_topology,
+                             "first": aot_start(fv, aot_cache), "second": aot_start(fv, aot_cache),
+                             "cache_entries": sorted(os.listdir(aot_cache))}
+    result["machine"] = common.record()
+    print(json.dumps(result, indent=2))
+
+
+# ----------------------------------------------------------------------------- --what=prepare
+
+
+def make_corpus(d: Path, copies: int, fmt: str) -> Path:
+    """The bundled corpus `copies` times over, one document per paragraph, as `fmt`."""
+    import lzma
+    import re
+
+    from onona_jax.tokenizer import bundled_corpus_path
+
+    text = lzma.open(bundled_corpus_path(), "rt", encoding="utf-8").read()
+    docs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()] * copies
+    if fmt == "txt":
+        path = d / "corpus.txt"
+        path.write_text("\n\n".join(docs))
+    elif fmt == "jsonl":
+        path = d / "corpus.jsonl"
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = d / "corpus.parquet"
+        pq.write_table(pa.table({"text": docs}), path, row_group_size=10_000)
+    return path
+
+
+def shards_digest(out: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(out.glob("*.bin")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def _cpu() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its finished (joined) worker processes."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def define_prepare(fv, argv):
+    flags.DEFINE_integer("copies", 4, "copies of the bundled corpus (~1M tokens each)", flag_values=fv)
+    flags.DEFINE_integer("rounds", 3, "paired rounds", flag_values=fv)
+    flags.DEFINE_list("workers", ["1", "2"], "worker counts to compare, the first the baseline", flag_values=fv)
+    flags.DEFINE_enum("format", "jsonl", ["jsonl", "txt", "parquet"], "input format", flag_values=fv)
+    flags.DEFINE_string("output", None, "also write the results as JSON here", flag_values=fv)
+
+
+def main_prepare(fv, rest, argv):
+    import shutil
+
+    from onona_jax.data.prepare import prepare
+
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    try:
+        workers = [int(w) for w in fv.workers]
+    except ValueError:
+        workers = []
+    if not workers or min(workers) < 1 or fv.rounds < 1 or fv.copies < 1:
+        raise cli.UsageError(f"--workers={','.join(fv.workers)}: positive integers, e.g. 1,2; --rounds and "
+                             "--copies ≥ 1")
+    tmp = Path(tempfile.mkdtemp(prefix="prepare-bench-"))
+    try:
+        src = make_corpus(tmp, fv.copies, fv.format)
+        rates: dict[int, list[float]] = {w: [] for w in workers}
+        cpu: dict[int, list[tuple[float, float]]] = {w: [] for w in workers}
+        digests = set()
+        tokens = 0
+        for r in range(fv.rounds):
+            for w in workers:
+                out = tmp / f"out-{r}-{w}"
+                t0, r0 = time.perf_counter(), _cpu()
+                m = prepare([str(src)], str(out), shard_tokens=50_000_000, workers=w)
+                dt, r1 = time.perf_counter() - t0, _cpu()
+                cpu[w].append((r1[0] - r0[0], r1[1] - r0[1]))
+                tokens = m["splits"]["train"]["tokens"] + m["splits"]["heldout"]["tokens"]
+                rates[w].append(tokens / dt)
+                digests.add(shards_digest(out))
+                shutil.rmtree(out)
+                print(f"round {r}: workers={w}: {tokens / dt / 1e6:.3f} M tokens/s ({dt:.2f} s)", file=sys.stderr)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    base = workers[0]
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "format": fv.format,
+        "tokens": tokens,
+        "rounds": fv.rounds,
+        "tokens_per_s_median": {w: statistics.median(v) for w, v in rates.items()},
+        "speedup_per_round": {w: [a / b for a, b in zip(v, rates[base])] for w, v in rates.items()},
+        # CPU seconds (main process, workers) per run: how the work divides, independent of other load.
+        "cpu_s_main_workers": cpu,
+        "bit_identical": len(digests) == 1,
+        "machine": common.record(),
+    }
+    print(f"corpus: {tokens:,} tokens ({fv.format}), {result['machine']['cores']} CPUs, {fv.rounds} paired rounds")
+    for w in workers:
+        sp = result["speedup_per_round"][w]
+        print(f"workers={w}: {result['tokens_per_s_median'][w] / 1e6:.3f} M tokens/s (median); "
+              f"speed-up over workers={base} per round: {', '.join(f'{x:.2f}' for x in sp)}; CPU s (main, workers) "
+              f"per run: {', '.join(f'({a:.2f}, {b:.2f})' for a, b in cpu[w])}")
+    print(f"all arms wrote bit-identical shards: {result['bit_identical']}")
+    if fv.output:
+        Path(fv.output).write_text(json.dumps(result, indent=2) + "\n")
+    if not result["bit_identical"]:
+        raise cli.Failure("the worker counts wrote different shards")
+
+
+# ----------------------------------------------------------------------------- --what=program_hash
+
+
+def define_program_hash(fv, argv):
+    common.cpu_only()  # the host compiles for the slice; no device is used (jax is not imported yet)
+    flags.DEFINE_string("root", REPO, "the checkout whose configs/paper.py to read", flag_values=fv)
+    flags.DEFINE_string("slice", "v5e-16", "the slice (python -m onona_jax.aot's names)", flag_values=fv)
+    flags.DEFINE_list("configs", ["dense-142m-twin", "dense-142m-standard", "gdn-142m-twin"], "configs/paper.py names",
+                      flag_values=fv)
+    flags.DEFINE_integer("micro_batch", 4, "sequences per device", flag_values=fv)
+
+
+def main_program_hash(fv, rest, argv):
+    import hashlib
+    import re
+
+    import jax
+
+    from onona_jax import config as config_lib
+    from onona_jax import train as trainer
+    from onona_jax.aot.topology import compiler_missing, get_slice, topology_devices
+
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    s = get_slice(fv.slice)
+    missing = compiler_missing(s)
+    if missing:
+        raise cli.Failure(missing)
+    devices = topology_devices(s)
+    for name in fv.configs:
+        cfg = config_lib.load(os.path.join(fv.root, f"configs/paper.py:{name}"))
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.tensor = 1, len(devices), 1, 1
+        cfg.train.micro_batch = fv.micro_batch
+        run = trainer.setup(cfg, devices)
+        batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jax.numpy.int32,
+                                     sharding=run.batch_sharding)
+        text = trainer.make_train_step(run).lower(trainer.abstract_train_state(run), batch).as_text()
+        # jax's custom partitioning (cuDNN attention) names its Python callback by object id,
+        # which differs per process: not part of the program.
+        text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"id"', text)
+        print(f"{name} on {fv.slice}: sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]} ({len(text):,} characters)")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+# --what=<mode>: (define, main, whether stdout is one JSON object: the machine's line goes to stderr then)
+WHAT = {
+    "sections": (define_sections, main_sections, False),
+    "families": (define_families, main_families, False),
+    "moe": (define_moe, main_moe, True),
+    "compile": (define_compile, main_compile, True),
+    "compile_cache": (define_compile_cache, main_compile_cache, True),
+    "prepare": (define_prepare, main_prepare, False),
+    "program_hash": (define_program_hash, main_program_hash, False),
+}
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run_modes(WHAT, "sections", argv, __doc__)
 
 
 if __name__ == "__main__":

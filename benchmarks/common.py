@@ -9,12 +9,20 @@ a config, one `error:` line and exit status 2 for bad usage, 1 for an anticipate
 
 Every script runs through `run` (this module's `cli.run`): it prints the machine's line first
 and the load average last, and every JSON a script prints or writes holds `record()` under
-"machine" (docs/PERFORMANCE.md: a CPU figure without its machine misleads).
+"machine" (docs/PERFORMANCE.md: a CPU figure without its machine misleads). A suite script
+(bench.py, peer.py, serve_bench.py) runs through `run_modes`: `--what=<mode>` picks one of its
+modes, each with its own flags and defaults.
+
+The scripts: bench.py (one device: step memory, FLOPs and time, data pipeline, decode, families,
+MoE dispatch, compile time and cache, data preparation, the program's fingerprint), peer.py
+(against PyTorch on the CPU: the whole step, its parts, a per-op profile), serve_bench.py
+(serving engines side by side, the server's restore memory; serve_bench_vllm.py is its child in
+the vLLM venv), device_check.py (the prepared accelerator run, scripts/device_check.sh) and
+faults.py (the fault battery, tests/test_faults.py).
 """
 
 from __future__ import annotations
 
-import ast
 import datetime
 import os
 import platform
@@ -197,6 +205,38 @@ def run(define, main, argv=None, doc: str = "", json_stdout: bool = False) -> in
     return cli.run(define, body, argv, doc)
 
 
+def what(argv, default: str) -> str:
+    """The `--what=<mode>` of a command line (the last one given), else `default`."""
+    mode = default
+    for i, arg in enumerate(argv):
+        if arg.startswith("--what="):
+            mode = arg.split("=", 1)[1]
+        elif arg == "--what" and i + 1 < len(argv):
+            mode = argv[i + 1]
+    return mode
+
+
+def run_modes(modes: dict, default: str, argv=None, doc: str = "") -> int:
+    """`run` of a suite script: `--what=<mode>` picks one of `modes`, {name: (define(fv, argv),
+    main(fv, rest, argv), json_stdout)}, `default` where none is given. Only the chosen mode's
+    flags are defined, with its own defaults (so `--what=<mode> --help` lists them, and another
+    mode's flag is one `error:` line); `json_stdout` as in `run`."""
+    from absl import flags
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    mode = what(argv, default)
+    define, main, json_stdout = modes.get(mode, (None, None, False))
+
+    def define_mode(fv, argv):
+        flags.DEFINE_enum("what", default, list(modes), "the mode (each has its own flags: --what=<mode> --help)",
+                          flag_values=fv)
+        if define is None:
+            raise cli.UsageError(f"--what={mode}: choose one of {', '.join(modes)}")
+        return define(fv, argv)
+
+    return run(define_mode, lambda fv, rest: main(fv, rest, argv), argv, doc, json_stdout)
+
+
 # ----------------------------------------------------------------------------- the command line
 
 
@@ -216,26 +256,12 @@ def config_args(fv, argv, default: str) -> tuple[str, dict]:
 
 
 def refuse_set(argv) -> None:
-    """`--set=key=value,...`, the scripts' former override syntax, is one error naming the
-    package's (a config override has one spelling everywhere)."""
+    """`--set=key=value,...`, the scripts' former override syntax (peer.py --what=profile's, once
+    profile_step.py's), is one error naming the package's (a config override has one spelling
+    everywhere)."""
     if any(a == "--set" or a.startswith("--set=") for a in argv):
         raise cli.UsageError("--set is retired: give each override as --config.<key>=<value>, e.g. "
                              "--config.model.d_model=512 --config.train.global_batch=4")
-
-
-def parse_overrides(text: str, flag: str) -> dict:
-    """`key=value,key=value` (a variant of step_ab.py) as a dict, each value parsed as a Python
-    literal where it parses, else kept as a string; the keys are checked by `jax_config`."""
-    out = {}
-    for item in (x for x in text.split(",") if x):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise cli.UsageError(f"--{flag}={text}: {item!r} is not key=value, e.g. --{flag}=model.remat=attention")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
 
 
 # ----------------------------------------------------------------------------- the jax train step
@@ -297,7 +323,7 @@ def jax_side(cfg):
         dt = time.perf_counter() - t0
         return float(metrics["loss"]), dt
 
-    step.compiled = compiled  # its optimized HLO for profile_step.py
+    step.compiled = compiled  # its optimized HLO for peer.py --what=profile
     return params, decays, n_params, step
 
 
@@ -322,7 +348,7 @@ def keep_freed_memory() -> bool:
     next step, so a variant's time is its computation, not its allocator's page faults nor the
     order of the rounds. The cost, which is why train.py does not do this: the heap fragments
     and the process keeps its peak (peak RSS 4.44 GiB instead of 2.03 GiB for that step,
-    `profile_step.py`)."""
+    `peer.py --what=profile`)."""
     import ctypes
 
     if not sys.platform.startswith("linux"):
@@ -340,8 +366,8 @@ def keep_freed_memory() -> bool:
 
 class Worker:
     """A spawned process `target(conn, *args)` that sends {"ok": True, ...} (or {"ok": False,
-    "error": ...}) once ready, then answers each "step" with one reply until "stop" (peer.py,
-    code_ab.py and gemm_floor.py run theirs through this class)."""
+    "error": ...}) once ready, then answers each "step" with one reply until "stop" (peer.py
+    runs its workers through this class)."""
 
     def __init__(self, ctx, name, target, args):
         self.name = name

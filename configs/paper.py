@@ -7,7 +7,7 @@ Sizes `142m`, `330m`, `1b` are the paper's (SPEC §3-4); `tiny` is for tests and
 for experiments that finish in minutes on a 2-core CPU. `3b` and `8b` go past the paper with
 Llama-3.2-3B's and Llama-3-8B's trunk shapes (GQA 8 KV heads of 128; 8b's FFN 14,336 wide):
 Dense Standard 3.21B and 7.50B parameters at Llama-3's vocabulary
-(`--config.data.tokenizer=size:128256`), 2.97B and 7.19B at GPT-2's (README "Models and configs").
+(`--config.data.tokenizer=size:128256`), 2.97B and 7.19B at GPT-2's (docs/training.md, "Configs and overrides").
 """
 
 import math
@@ -18,7 +18,7 @@ from onona_jax.config import ARCHS, HEADS, base_config, ffn_width, set_key, vali
 #            d_model  layers  heads  kv_heads  head_dim  d_ff
 SIZES = {
     "tiny": (64, 2, 4, 2, 16, 0),
-    "micro": (128, 2, 4, 2, 32, 0),  # the CPU replication (docs/RESULTS.md), with a small BPE
+    "micro": (128, 2, 4, 2, 32, 0),  # the CPU replication (docs/results.md), with a small BPE
     "small": (128, 4, 4, 2, 32, 0),
     "142m": (768, 16, 12, 6, 64, 0),
     "330m": (1024, 24, 16, 8, 64, 0),
@@ -38,7 +38,7 @@ TRAIN = {
     "330m": (256, 16, 1024, 0, 1000, 500, 1024, 1000),
     "1b": (512, 8, 1024, 78_800, 1000, 500, 1024, 1000),  # the paper ran 78,800 steps (≈40.07 TPP)
     # Past the paper: 4,096-token sequences, 2M (3b) and 4M (8b) tokens a step, 40 TPP; micro_batch 0,
-    # as `python -m onona_jax.aot --fit` plans it (docs/SCALING.md "Sizes past the paper").
+    # as `python -m onona_jax.aot --fit` plans it (docs/notes/scaling-log.md "Sizes past the paper").
     "3b": (512, 0, 4096, 0, 2000, 1000, 256, 1000),
     "8b": (1024, 0, 4096, 0, 2000, 1000, 256, 1000),
 }
@@ -104,7 +104,7 @@ def get_config(arg: str = "dense-small-twin"):
     c.model.gdn.head_dim_k = c.model.gdn.head_dim_v = min(128, d)
     if arch == "gdn":  # whole 3 GDN : 1 attention groups
         c.model.n_layers = 4 * -(-layers // 4)
-    if size == "micro":  # ≥ 20 TPP: 6 runs in ≤ 2 h on 2 CPU cores at a ~1k-entry BPE (docs/RESULTS.md)
+    if size == "micro":  # ≥ 20 TPP: 6 runs in ≤ 2 h on 2 CPU cores at a ~1k-entry BPE (docs/results.md)
         c.train.tokens_per_param = 20.0
     if size in ("tiny", "small", "micro"):
         c.model.dtype = "float32"  # CPU: bf16 matmuls are emulated and slower
@@ -160,7 +160,7 @@ _DOCS = {"data.packing": "documents"}  # the context grid's arms on packed docum
 GRIDS = {
     "headline": dict(
         doc="onóna vs Standard (Dense): the paper's headline pair; at --size=micro with a BPE of the corpus, "
-            "the CPU replication (python -m onona_jax.experiments.replicate, docs/RESULTS.md)",
+            "the CPU replication (python -m onona_jax.experiments.replicate, docs/results.md)",
         archs=("dense",), sizes=("142m",),
         cells=_cells(("standard", "standard"), ("twin", "twin")),
         baseline=("standard",),

@@ -45,7 +45,7 @@ SPLASH_BLOCKS = (512, 256, 128)
 # `xla` on CPU: query blocks of at least 64 rows, at most 16 of them (the ops of each block are
 # unrolled in the layer). At d 512 (T 256, 8 query / 4 KV heads of 64, batch 4) forward and
 # backward take 29.8 ms a layer in 4 blocks against 47.4 ms whole (PyTorch's SDPA: 31.0 ms;
-# benchmarks/parts.py); the computed share of the square is (n + 1) / 2n for n blocks.
+# benchmarks/peer.py --what=parts); the computed share of the square is (n + 1) / 2n for n blocks.
 CPU_QUERY_BLOCK, CPU_QUERY_BLOCKS = 64, 16
 
 

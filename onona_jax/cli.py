@@ -18,6 +18,11 @@ process and their `main(argv)` called in-process (the tests do):
     def main(argv=None) -> int:
         return cli.run(define, _main, argv, __doc__)
 
+`--help` (-h, --helpfull) prints the flags without parsing the rest (a required flag may be
+missing) and without importing jax, which takes a minute on a loaded host: an entry point imports
+jax, and what imports it (config, models, heads), inside its functions, and its `define` gives
+the config flag by `define_config_for_help` when `help_asked(argv)` (tests/test_startup.py).
+
 Exit status: 0 done; 2 bad usage or bad input found before any write (an unknown flag or
 config key, a bad value: `ValueError`); 1 an anticipated runtime failure (`Failure`); 130
 interrupted (SIGINT, Ctrl-C: `Interrupted`).
@@ -318,6 +323,30 @@ def mesh(fv) -> tuple[int, int, int]:
     return sizes
 
 
+# What asks for the help (absl's spellings: `--helpfull` and `--helpshort` print the same, every
+# flag being the command's own).
+HELP = ("-h", "--help", "-help", "--helpfull", "-helpfull", "--helpshort", "-helpshort")
+
+
+def help_asked(argv) -> bool:
+    """Whether the command line `argv` (after the program) asks for --help. The help is then
+    printed without parsing (a required flag may be missing) and without importing jax (seconds
+    to a minute on a loaded host): a command's `define` defines its config flag with
+    `define_config_for_help` instead. The flags after `--` are a sweep's, not ours."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if arg in HELP or (arg.startswith(("--help=", "-help=")) and arg.split("=", 1)[1].lower() in ("true", "t", "1")):
+            return True
+    return False
+
+
+def define_config_for_help(fv, default: str | None, name: str = "config"):
+    """`config.define_flag`'s flag as --help lists it (same name, help, default and group), without
+    loading a config, which would import jax."""
+    flags.DEFINE_string(name, default, "configs/<file>.py:<arg>", flag_values=fv, module_name="onona_jax.config")
+
+
 def run(define, main, argv=None, doc: str = "", prog: str | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) with the flags `define(fv, argv)` declares, then
     `main(fv, positional args)`; an anticipated failure becomes one `error:` line and its
@@ -339,15 +368,16 @@ def run(define, main, argv=None, doc: str = "", prog: str | None = None) -> int:
 def _run(define, main, argv, doc, fv) -> int:
     try:
         explain = define(fv, argv)
+        if help_asked(argv[1:]):  # before parsing: `--help` needs no other flag, not even a required one
+            return _print_help(doc, fv)
         try:
             rest = fv(argv)[1:]
         except flags.Error as err:
             raise UsageError(f"{err}; see --help") from None
         except (AttributeError, KeyError) as err:  # a config override of a key that does not exist
             raise UsageError((explain and explain(argv)) or f"bad config override: {err}") from None
-        if fv["help"].value:
-            print((doc or "").strip() + "\n\nflags:\n" + fv.get_help())
-            return 0
+        if fv["help"].value:  # (--help from a --flagfile)
+            return _print_help(doc, fv)
         result = main(fv, rest)
     except Failure as err:
         print(f"error: {err}", file=sys.stderr)
@@ -362,6 +392,11 @@ def _run(define, main, argv, doc, fv) -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     return 0 if result is None else int(result)
+
+
+def _print_help(doc, fv) -> int:
+    print((doc or "").strip() + "\n\nflags:\n" + fv.get_help())
+    return 0
 
 
 # The fsspec implementation a URL scheme needs, and the extra that installs it (pyproject.toml).
@@ -424,13 +459,53 @@ def seconds_from_env(name: str, what: str) -> float | None:
     return value
 
 
+def accelerators() -> list[str]:
+    """What on this machine may be a TPU or a GPU (device nodes, PCI devices), or a TPU set up by
+    hand (its variables): where JAX must be left to find it."""
+    import glob
+
+    found = [v for v in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "JAX_FORCE_TPU_INIT") if os.environ.get(v)]
+    # TPUs: their device nodes (/dev/accel*; /dev/vfio/<group> from v5e on) and any PCI device of
+    # Google's vendor id (JAX's own test) but GCE's network card, gVNIC. GPUs: NVIDIA's device
+    # nodes, WSL's, AMD's KFD.
+    found += glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*") + glob.glob("/dev/nvidia*")
+    found += [d for d in ("/dev/dxg", "/dev/kfd") if os.path.exists(d)]
+    for pci in glob.glob("/sys/bus/pci/devices/*"):
+        try:
+            with open(f"{pci}/vendor") as vendor, open(f"{pci}/device") as device:
+                if vendor.read().strip() == "0x1ae0" and device.read().strip() != "0x0042":
+                    found.append(pci)
+        except OSError:
+            pass
+    return found
+
+
+def quiet_libtpu() -> None:
+    """JAX_PLATFORMS=cpu where JAX would end on the CPU anyway but libtpu would first print its
+    start-up errors. Installed (the tpu-aot extra, for `python -m onona_jax.aot`), libtpu is
+    tried by JAX on every machine when JAX_PLATFORMS is unset, and on one without a TPU prints
+    lines such as `E0000 ... INVALID_ARGUMENT ... libtpu_init_utils.cc` that read as failures.
+    Left alone: a JAX_PLATFORMS the user set (JAX_PLATFORMS=tpu on a machine without one still
+    fails, libtpu's lines and then our one error line naming the variable), and a machine that may
+    have a TPU or a GPU."""
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None or accelerators():
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def run_module(define, main, doc: str = ""):
-    """`sys.exit(run(...))` for `if __name__ == "__main__"` (jax.distributed first)."""
+    """`sys.exit(run(...))` for `if __name__ == "__main__"` (jax.distributed first; for --help,
+    nothing that imports jax)."""
     try:
         check_environment()
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if help_asked(sys.argv[1:]):
+        exit(run(define, main, None, doc))
+    quiet_libtpu()  # before jax is imported: JAX reads JAX_PLATFORMS at import
     with _sigint_handling():  # (jax.distributed may take a while to join: a Ctrl-C there is one line too)
         try:
             from onona_jax import platform

@@ -1,5 +1,5 @@
 """JAX's persistent compilation cache (train.compile_cache, eval.py --compile_cache): a
-restart loads its compiled step instead of compiling it again (README, "Compilation cache")."""
+restart loads its compiled step instead of compiling it again (docs/training.md, "Compilation cache")."""
 
 import os
 

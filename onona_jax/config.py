@@ -82,7 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.attention_impl = "auto"  # auto: splash on TPU, cuDNN on GPU (bf16), XLA on CPU | xla | splash | cudnn (attention.py)
     m.loss = "fused"  # fused: gradients in the forward pass, tiled over tokens (loss.py) | fused_vocab: chunked over the vocabulary, backward recomputes (loss_vocab.py) | plain
     m.loss_token_tile = 0  # tokens per tile (per device) of the fused loss; 0: 256 on TPU/GPU, 512 on CPU (loss.py says why)
-    m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/PERFORMANCE.md: fastest on CPU, smallest at 142M)
+    m.loss_chunk = 2048  # vocabulary rows per tile of the fused_vocab loss (docs/notes/performance-log.md: fastest on CPU, smallest at 142M)
     m.mos_components = 2  # K of the mos / moss heads
     m.layer_pattern = ""  # "" = the arch's: "attention", or "gdn,gdn,gdn,attention" for gdn
 
@@ -428,7 +428,7 @@ def _validate_training(cfg, need, defaults):
 # parameters, the optimizer state or the data stream (the model, the optimizer and its
 # schedule, the data and its order, the validation windows), so a rerun that changes one is
 # a different run: train.py stops with exit 2 and names the differing keys. Listed in the
-# README ("Resuming with a changed config").
+# docs/training.md ("Resuming with a changed config").
 RESUMABLE_KEYS = (
     "name",                  # a label
     "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)

@@ -77,7 +77,7 @@ def swiglu_mlp(x, w_gate, w_up, w_down):
     Its backward pass is written out: it keeps x, g = x·gate and u = x·up, where autodiff of
     silu keeps four [tokens, d_ff] arrays, and it forms the weight gradients as plain
     x-contractions. Same values and gradients as autodiff (fp32: ~1e-6 relative); faster on
-    XLA:CPU (docs/PERFORMANCE.md, "Later changes")."""
+    XLA:CPU (docs/notes/performance-log.md, "Later changes")."""
     return _swiglu_fwd(x, w_gate, w_up, w_down)[0]
 
 
@@ -102,7 +102,7 @@ def _swiglu_bwd(res, dy):
         jnp.einsum("...d,...f->df", x, dg),
         jnp.einsum("...d,...f->df", x, du),
         # (dyᵀ·hid)ᵀ, not hidᵀ·dy: the latter made XLA:CPU fuse the recompute of hid into a
-        # strided transposing write (docs/PERFORMANCE.md, "Later changes (2026-12-02)").
+        # strided transposing write (docs/notes/performance-log.md, "Later changes (2026-12-02)").
         jnp.einsum("...d,...f->df", dy, hid).T,
     )
 

@@ -50,10 +50,10 @@ F32 = jnp.float32
 SCORES = (None, "sigsoftmax")
 # Tokens per tile (per device), by platform (`resolve_token_tile`). Accelerators: 256 keeps the
 # twin/standard HBM ratio at 1.041 for 142M on v5e-16 (fsdp 16, micro-batch 4); 1,024 gave
-# 1.074 (docs/SCALING.md). CPU: memory is no constraint, and each tile's ∂T product writes the
+# 1.074 (docs/notes/scaling-log.md). CPU: memory is no constraint, and each tile's ∂T product writes the
 # whole [V, d] gradient, so short tiles are slow GEMMs: at d 512, V 50,304 on a Zen 1 host, 256
 # tokens took 220 ms (PyTorch 185), 512 took 335 (PyTorch 345); the whole loss for 1,024 tokens
-# 2.65 s in 256-token tiles, 2.24 s in 512, 2.26 s in 1,024 (benchmarks/parts.py).
+# 2.65 s in 256-token tiles, 2.24 s in 512, 2.26 s in 1,024 (benchmarks/peer.py --what=parts).
 ACCELERATOR_TOKEN_TILE = 256
 CPU_TOKEN_TILE = 512
 

@@ -3,7 +3,7 @@ table, or a two-table mixture with per-token log weights (the twin head), withou
 materialising [tokens, V] logits. `loss.py`'s token-tiled loss, which computes the gradients
 in its forward pass, is the default; this one recomputes each vocabulary tile's logits in the
 backward pass, and needs less memory only where a device holds fewer than ~1,024 tokens
-(docs/PERFORMANCE.md).
+(docs/notes/performance-log.md).
 
 The forward pass streams the vocabulary in chunks of `chunk` rows and keeps a running
 log-sum-exp per token (the online-softmax recurrence); the target's logit is one row dot

@@ -18,9 +18,8 @@ from fractions import Fraction
 from absl import flags
 
 from onona_jax import cli
-from onona_jax import config as config_lib
-from onona_jax import heads as heads_lib
-from onona_jax import models as model_lib
+
+# config, heads and models (jax) are imported where used, so that --help starts without jax.
 
 HEAD_ROWS = ("tables", "gate", "head")  # the head's rows (`models.accounting`), then the family's
 
@@ -28,6 +27,8 @@ HEAD_ROWS = ("tables", "gate", "head")  # the head's rows (`models.accounting`),
 def components(cfg_model) -> tuple[str, ...]:
     """The rows of the parameter table: the head's, then the family's components in the order
     its `Family.components` declares them."""
+    from onona_jax import models as model_lib
+
     declared = dict.fromkeys(g.component for g in model_lib.family(cfg_model).components)
     return HEAD_ROWS + tuple(c for c in declared if c not in HEAD_ROWS)
 
@@ -37,6 +38,8 @@ def param_counts(cfg_model) -> dict[str, int]:
     (the parameters each token uses only a fraction of: MoE experts) and `active`: the
     non-embedding parameters one token uses, i.e. MoE expert weights count top_k/E of theirs
     (router included in full); for dense models active = non_embedding."""
+    from onona_jax import models as model_lib
+
     rows = components(cfg_model)
     counts = dict.fromkeys(rows, 0)
     experts, inactive = 0, Fraction(0)
@@ -56,6 +59,8 @@ def output_projections(cfg_model) -> int:
     """Vocabulary projections per position in training, as the head declares them: 2 for
     the heads with two output softmaxes (twin, twin_output_only), K = mos_components for
     mos / moss (one per component, through the tied table), 1 for the others."""
+    from onona_jax import heads as heads_lib
+
     return heads_lib.head_class(cfg_model.head).output_projections(cfg_model)
 
 
@@ -67,6 +72,8 @@ def matmul_weights(cfg_model) -> dict[str, float]:
     expert weights, GDN q/k/v/gate/a/b/o and the depthwise conv taps (2·K per channel, which is
     2 FLOPs per tap weight too), the mos/moss context and prior projections. Norm weights,
     A_log, dt_bias, AttnRes queries, the tables and the gate are not matmul weights."""
+    from onona_jax import models as model_lib
+
     out = {"head": 0.0} | {g.component: 0.0 for g in model_lib.family(cfg_model).components if g.matmul}
     for p in model_lib.accounting(cfg_model):
         if p.matmul:
@@ -98,6 +105,8 @@ def flops_per_token(cfg_model, seq_len: int, causal: bool = True) -> dict[str, f
       inverse and its product, the state terms ≈ 6·H·dk·dv per token), `attnres` (2·d per
       source per AttnRes mixing, `models.attnres.extra_flops`).
     """
+    from onona_jax import models as model_lib
+
     m = cfg_model
     weights = matmul_weights(m)
     counts = param_counts(m)
@@ -128,6 +137,8 @@ def reference_model(cfg_model, reference: str = ""):
     model's shape with `train.reference`'s keys set (a deeper or wider control's own size)."""
     import ml_collections
 
+    from onona_jax import config as config_lib
+
     m = ml_collections.ConfigDict(cfg_model.to_dict())
     m.arch, m.head, m.table_init_scale = "dense", "standard", 1.0
     for key, value in config_lib.parse_reference(reference, m).items():
@@ -148,6 +159,8 @@ def budget(cfg) -> dict:
 
     Returns steps, tokens, flops (training FLOPs in all), params (total) and tokens_per_param, with
     the reference's steps, params and flops (`reference_*`)."""
+    from onona_jax import config as config_lib
+
     t = cfg.train
     tokens_per_step = t.global_batch * cfg.data.seq_len
     ref_model = reference_model(cfg.model, t.get("reference", ""))
@@ -205,12 +218,18 @@ def format_table(s: dict) -> str:
 
 def define(fv, argv):
     flags.DEFINE_bool("json", False, "print JSON instead of a table", flag_values=fv)
+    if cli.help_asked(argv[1:]):
+        return cli.define_config_for_help(fv, None)
+    from onona_jax import config as config_lib
+
     return config_lib.define_flag(fv, argv, default=None)
 
 
 def _main(fv, args):
     if fv.config is None:
         raise cli.UsageError("give --config=configs/paper.py:<arch>-<size>-<head>")
+    from onona_jax import config as config_lib
+
     s = summarize(config_lib.validate(fv.config))
     print(json.dumps(s, indent=2) if fv.json else format_table(s))
 

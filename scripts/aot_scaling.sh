@@ -1,5 +1,5 @@
 #!/bin/bash
-# The compiles behind docs/SCALING.md (each 142M+ compile takes minutes of CPU; they queue on
+# The compiles behind docs/pods.md and docs/notes/scaling-log.md (each 142M+ compile takes minutes of CPU; they queue on
 # a lock so that they never run two at a time). JSON reports land in docs/aot/.
 #   bash scripts/aot_scaling.sh [row ...]       rows: see the case below; default: all, in order
 set -u
@@ -72,11 +72,11 @@ for row in $rows; do
         --config.model.moe.dispatch=$d --config.train.micro_batch=4 --config.model.remat=none --noeval_step ;;
     dense-142m-at16) aot dense-142m-at16-v5e-16 --config=configs/paper.py:dense-142m-twin --topology=v5e-16 $FSDP --config.train.micro_batch=16 --config.model.remat=attention --noeval_step ;;
     moe-1b) aot moe-1b-v5p-256 --config=configs/paper.py:moe-1b-twin --topology=v5p-256 $FSDP --compare_head=standard --fit --config.train.micro_batch=0 --noeval_step ;;
-    # one 8-GPU H100 host, the README's recipe (pure data parallel, micro-batch 16 × 2); needs the gpu-aot extra
+    # one 8-GPU H100 host, docs/pods.md's recipe (pure data parallel, micro-batch 16 × 2); needs the gpu-aot extra
     # (gpu-aot extra with the cuDNN wheel: auto = cuDNN's fused attention; -xla: XLA's, for comparison)
     dense-142m-h100) aot dense-142m-h100-8 --config=configs/paper.py:dense-142m-twin --topology=h100-8 --config.mesh.data=8 --config.train.micro_batch=16 --compare_head=standard --noeval_step ;;
     dense-142m-h100-xla) aot dense-142m-h100-8-xla --config=configs/paper.py:dense-142m-twin --topology=h100-8 --config.mesh.data=8 --config.train.micro_batch=16 --config.model.attention_impl=xla --compare_head=standard --noeval_step ;;
-    # Past the paper (docs/SCALING.md "Sizes past the paper"): 3b and 8b at GPT-2's vocabulary (row dense-8b)
+    # Past the paper (docs/notes/scaling-log.md "Sizes past the paper"): 3b and 8b at GPT-2's vocabulary (row dense-8b)
     # and Llama-3's (row dense-8b-v128256: data.tokenizer=size:128256). --fit ran on the Dense GPT-2 rows;
     # the Dense 128,256 rows compile at its plan; MoE does not fit there (147.6 / 134.0 GiB asked at
     # 128,256) and compiles with remat=attention at the whole per-chip batch (8b) / the Dense micro-batch (3b).

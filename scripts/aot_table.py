@@ -1,4 +1,4 @@
-"""Markdown rows for docs/SCALING.md from `python -m onona_jax.aot --json_out` reports.
+"""Markdown rows for docs/pods.md and docs/notes/scaling-log.md from `python -m onona_jax.aot --json_out` reports.
 
     python scripts/aot_table.py docs/aot/*.json           # one row per head and report
     python scripts/aot_table.py --plans docs/aot/*.json   # --fit's plans, with modelled step times

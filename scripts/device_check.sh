@@ -9,7 +9,7 @@
 #     bash scripts/device_check.sh OUT_DIR [--steps=20] [--budget_s=420]
 #     bash scripts/device_check.sh OUT_DIR --dry_run     # tiny shapes on the CPU (tests/test_device_check.py)
 #
-# Then copy OUT_DIR/device_check.md into docs/PERFORMANCE.md with the date and the device.
+# Then copy OUT_DIR/device_check.md into docs/performance.md with the date and the device.
 set -euo pipefail
 if [[ $# -lt 1 || "$1" == -* ]]; then
     echo "error: usage: bash scripts/device_check.sh OUT_DIR [--dry_run] [--steps=N] [--budget_s=S]" >&2

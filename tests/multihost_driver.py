@@ -48,10 +48,10 @@ def replace_everywhere(original, replacement) -> list[str]:
 def install_hooks():
     import jax
 
-    import onona_jax.train  # noqa: F401 - loads every module that may bind global_batch
     from onona_jax.checkpoint import Checkpoints
     from onona_jax.data import pipeline
-    from onona_jax.train import loop, step
+    from onona_jax.train import loop, step  # every module that binds global_batch (the package's own
+    # name, `onona_jax.train.global_batch`, is bound at first use, from step's: after this hook's)
 
     record = {"ids": [], "fed": [], "rows": [], "saves": [], "timer_saves": []}
     lock = threading.Lock()  # grain reads on its own thread(s)

@@ -1,7 +1,7 @@
 """The benchmark scripts that take a config speak the package's command line: `--config.*`
 overrides, and bad usage is one `error:` line and exit status 2, found before any compile or
-worker process. The retired `--set` (step_ab.py, code_ab.py, gemm_floor.py, profile_step.py)
-names its replacement."""
+worker process. A suite script's `--what` picks its mode, whose flags are its own. The retired
+`--set` (peer.py --what=profile, once profile_step.py) names its replacement."""
 
 import os
 import sys
@@ -11,16 +11,18 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the scripts import common.py from beside them
-import code_ab  # noqa: E402
+import bench  # noqa: E402
 import common  # noqa: E402
-import compile_cache  # noqa: E402
-import gemm_floor  # noqa: E402
 import peer  # noqa: E402
-import profile_step  # noqa: E402
-import step_ab  # noqa: E402
 
-SCRIPTS = [step_ab, code_ab, gemm_floor, profile_step]
 TINY = f"--config={REPO}/configs/paper.py:dense-tiny-standard"
+# (script, its mode's flags) of every mode that takes a config and builds the step itself
+CONFIG_MODES = [(peer, []), (peer, ["--what=profile"]), (bench, ["--what=compile_cache"])]
+
+
+def _id(case):
+    script, mode = case
+    return script.__name__ + "".join(mode)
 
 
 def _error(capsys, script, *argv) -> str:
@@ -30,23 +32,25 @@ def _error(capsys, script, *argv) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_retired_set_names_config_overrides(capsys, script):
-    err = _error(capsys, script, TINY, "--set=model.d_model=512")
+def test_retired_set_names_config_overrides(capsys):
+    err = _error(capsys, peer, "--what=profile", TINY, "--set=model.d_model=512")
     assert "--set is retired" in err and "--config.model.d_model=512" in err
 
 
-@pytest.mark.parametrize("script", SCRIPTS + [peer, compile_cache], ids=lambda m: m.__name__)
-def test_unknown_config_key_is_one_error_line(capsys, script):
-    err = _error(capsys, script, TINY, "--config.model.d_modle=64")
+@pytest.mark.parametrize("case", CONFIG_MODES, ids=_id)
+def test_unknown_config_key_is_one_error_line(capsys, case):
+    script, mode = case
+    err = _error(capsys, script, *mode, TINY, "--config.model.d_modle=64")
     assert "d_modle" in err
 
 
-def test_step_ab_variant_keys_are_checked_before_compiling(capsys):
-    err = _error(capsys, step_ab, TINY, "--variant=model.remat")
-    assert "'model.remat' is not key=value" in err
-    err = _error(capsys, step_ab, TINY, "--variant=model.d_modle=64")
-    assert err == "error: unknown config keys model.d_modle: every key is in onona_jax/config.py"
+def test_modes_are_one_error_line(capsys):
+    # an unknown mode names the modes; another mode's flag is unknown to this one
+    err = _error(capsys, bench, "--what=gemm")
+    assert err == f"error: --what=gemm: choose one of {', '.join(bench.WHAT)}"
+    assert "Unknown command line flag 'reps'" in _error(capsys, bench, "--what=families", "--reps=3")
+    assert "Unknown command line flag 'rounds'" in _error(capsys, peer, "--what=parts", "--rounds=3")
+    assert common.what(["--what", "moe", "--what=compile"], "sections") == "compile"
 
 
 def test_config_overrides_reach_the_step_config():
@@ -66,26 +70,18 @@ def test_config_overrides_reach_the_step_config():
     cfg = common.jax_config(spec, overrides)
     assert (cfg.model.head, cfg.model.remat, cfg.train.global_batch, cfg.train.micro_batch) == ("standard", "full", 6, 6)
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 1, 1)
-    assert common.parse_overrides("model.remat=dots,train.lr=0.5", "variant") == {"model.remat": "dots", "train.lr": 0.5}
-
-
-def test_code_ab_needs_a_checkout_as_base(capsys, tmp_path):
-    err = _error(capsys, code_ab, TINY, f"--base={tmp_path}")
-    assert f"--base={tmp_path} is not an onona-jax checkout" in err
 
 
 def test_parts_checks_values_against_pytorch_and_refuses_bad_tiles(capsys):
-    """benchmarks/parts.py at tiny shapes: every variant's loss gradients (head, at two tiles)
-    and attention gradients (whole square and query blocks, T 200 in 4 blocks) agree with
-    PyTorch's to 1e-4, and the clipped AdamW update with float64's, before any timing counts (a
+    """benchmarks/peer.py --what=parts at tiny shapes: every variant's loss gradients (head, at
+    two tiles) and attention gradients (whole square and query blocks, T 200 in 4 blocks) agree
+    with PyTorch's to 1e-4, and the clipped AdamW update with float64's, before any timing counts (a
     mismatch exits 1); a tile < 1 is one error line."""
-    import parts
-
-    assert parts.main(["--tokens=96", "--d_model=16", "--vocab=300", "--tiles=32,96", "--batch=1", "--seq=200",
-                       "--heads=4", "--kv_heads=2", "--head_dim=8", "--reps=1"]) == 0
+    assert peer.main(["--what=parts", "--tokens=96", "--d_model=16", "--vocab=300", "--tiles=32,96", "--batch=1",
+                      "--seq=200", "--heads=4", "--kv_heads=2", "--head_dim=8", "--reps=1"]) == 0
     out = capsys.readouterr().out
     assert "ours: head_nll, token tile 32" in out and "ours: causal_attention (xla, query blocks)" in out
     # the optimizer's update matched float64, and XLA makes 3 passes over the table (4 with optax's clip)
     assert "ours: clip_by_global_norm + optax.adamw" in out and "3 fusions write a table" in out
     assert "4 fusions write a table" in out
-    assert _error(capsys, parts, "--tiles=0") == "error: --reps and every --tiles entry must be ≥ 1"
+    assert _error(capsys, peer, "--what=parts", "--tiles=0") == "error: --reps and every --tiles entry must be ≥ 1"

@@ -1,5 +1,6 @@
 """Adding a decoder family without touching the package: a test-only family, written here and
-registered through `models.register` (the README's worked example, "Adding a decoder family").
+registered through `models.register` (the worked example of docs/extending.md, "Adding a decoder
+family").
 
 `parallel`: GPT-J/PaLM-style parallel blocks whose attention and SwiGLU outputs are mixed by a
 learned per-token gate,

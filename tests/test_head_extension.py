@@ -1,4 +1,4 @@
-"""A head added from outside the package, the README's worked example ("Adding a head").
+"""A head added from outside the package, the worked example of docs/extending.md ("Adding a head").
 
 `TripletHead` ("triplet"): three tables A, B, C; the body reads their mean M = (A+B+C)/3; the
 output mixes softmax(hAᵀ), softmax(hBᵀ), softmax(hCᵀ) with weights softmax(Gᵀ rmsnorm(M[x]))

@@ -32,7 +32,7 @@ def test_cpu_mesh_keeps_device_order_and_rejects_slices():
 @needs_libtpu
 def test_two_slices_put_only_the_data_axis_across_slices():
     devices = _tpu("v5e-16", slices=2)
-    # the README's FSDP recipe plus mesh.slices=2: fsdp over each slice's 16 chips, data = 2 slices
+    # docs/pods.md's FSDP recipe plus mesh.slices=2: fsdp over each slice's 16 chips, data = 2 slices
     mesh = sharding.make_mesh(1, -1, 1, devices, slices=2)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 16, "expert": 1, "tensor": 1}
     assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]

@@ -1,8 +1,7 @@
 """benchmarks/peer.py's starting point: onona-jax's train step (benchmarks/common.py) and the
 paper's PyTorch code path (HF Qwen3 + the tied softmax or Figure 2's TwinTables, torch AdamW) from
-the same weights and batch give the same losses; the workers' allocator setting works;
-benchmarks/gemm_floor.py lists exactly the step's matrix multiplies; the benchmarks' command
-line is the package's. The timing itself is the benchmarks', not a test's."""
+the same weights and batch give the same losses; the workers' allocator setting works; the
+benchmarks' command line is the package's. The timing itself is the benchmarks', not a test's."""
 
 import json
 import os
@@ -17,7 +16,6 @@ from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the scripts import common.py from beside them
 import common  # noqa: E402
-import gemm_floor  # noqa: E402
 import peer  # noqa: E402
 
 STEPS = 3
@@ -60,34 +58,6 @@ def test_unknown_config_key_is_refused():
 
     with pytest.raises(cli.UsageError, match="unknown config keys model.d_modle"):
         common.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin", {"model.d_modle": 64}, "twin")
-
-
-@pytest.mark.parametrize("head", ["standard", "twin"])
-def test_gemm_floor_lists_every_matmul_of_the_step(head):
-    # benchmarks/gemm_floor.py's list covers the step's matmul FLOPs exactly (summary's count,
-    # less the attention core and the gate's dot, which it leaves out), on both sides, and its
-    # two layouts compute the same products as PyTorch's Linear autograd.
-    from onona_jax import summary
-
-    cfg = common.jax_config(os.path.join(REPO, "configs", "paper.py") + ":dense-tiny-twin",
-                          {"model.loss_token_tile": 48, "train.global_batch": 3}, head)
-    m, n = cfg.model, cfg.train.global_batch * cfg.data.seq_len
-    f = summary.flops_per_token(m, cfg.data.seq_len)
-    expect = 3 * n * (f["body_matmul"] + 2 * summary.output_projections(m) * m.vocab_size * m.d_model)
-    specs = gemm_floor.gemms(cfg, head)
-    for side in ("jax", "torch"):
-        assert sum(2 * g[side][0] * g[side][1] * g["i"] * g["o"] for g in specs) == pytest.approx(expect, rel=1e-12)
-    assert {g["jax"][0] for g in specs if g["name"].startswith("head")} == {48}  # the fused loss's tiles
-    rng = np.random.default_rng(0)
-    t, i, o = 5, 3, 4  # distinct sizes: an operand is known by its shape
-    x, w, dy = rng.standard_normal((t, i)), rng.standard_normal((o, i)), rng.standard_normal((t, o))
-    by_shape = {(t, i): x, (t, o): dy, (i, o): w.T, (o, i): w}
-    for g in specs:
-        torch_form = {"forward": x @ w.T, "∂x": dy @ w, "∂W": dy.T @ x}[g["op"]]  # ∂W: [o, i]
-        for layout in ("io", "oi"):
-            eq, sa, sb = gemm_floor._operands(dict(g, i=i, o=o), t, layout)
-            want = torch_form.T if g["op"] == "∂W" and layout == "io" else torch_form
-            np.testing.assert_allclose(np.einsum(eq, by_shape[sa], by_shape[sb]), want, rtol=1e-12)
 
 
 PROBE = r"""

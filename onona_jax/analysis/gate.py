@@ -35,7 +35,7 @@ import numpy as np
 
 from absl import flags
 
-from onona_jax import cli, heads, paths
+from onona_jax import cli, paths
 from onona_jax import tokenizer as tokenizer_lib
 
 QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
@@ -45,6 +45,8 @@ QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 def gated_heads() -> dict:
     """The registered heads with a gate and the rows it reads (symbol, definition), as the
     heads declare them (`Head.gate_reads`)."""
+    from onona_jax import heads  # (here, not at the top: --help stays fast without jax)
+
     return {n: c.gate_reads for n, c in heads.HEADS.items() if c.gate_reads is not None}
 
 CLASSES = {  # name -> definition; `classify` applies them in this order, the first match wins
@@ -77,6 +79,7 @@ def gate_of(params, cfg_model) -> np.ndarray:
     import jax.numpy as jnp
     from flax import nnx
 
+    from onona_jax import heads
     from onona_jax import params as params_lib
 
     _refuse_ungated(cfg_model.head, "this run")

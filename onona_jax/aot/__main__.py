@@ -30,6 +30,8 @@ def define(fv, argv):
     flags.DEFINE_string("json_out", "", "also write the JSON report to this file", flag_values=fv)
     flags.DEFINE_bool("eval_step", True, "also compile the eval step", flag_values=fv)
     flags.DEFINE_float("hbm_gib", 0.0, "HBM per device to plan against (default: the chip's)", flag_values=fv)
+    if cli.help_asked(argv[1:]):
+        return cli.define_config_for_help(fv, None)
     from onona_jax import config as config_lib  # (jax after __main__ has chosen its platform)
 
     return config_lib.define_flag(fv, argv, default=None)

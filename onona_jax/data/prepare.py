@@ -16,7 +16,7 @@ only (the held-out ones never reach it; all of them, also past `--max_tokens`, w
 tokens), deterministically, writes it as DIR/tokenizer.json (a bucket's: uploaded beside the shards)
 and tokenises with it exactly as `--tokenizer=DIR/tokenizer.json` would; the manifest records it so,
 plus how it was trained (`tokenizer.trained`). It excludes --tokenizer and --tokens_column. Train on
-it with --config.data.dir=DIR --config.data.tokenizer=DIR/tokenizer.json (docs/DATA.md):
+it with --config.data.dir=DIR --config.data.tokenizer=DIR/tokenizer.json (docs/data.md):
 
     python -m onona_jax.data.prepare --input onona_jax/assets/austen.txt.xz --output /tmp/bpe2k --train_tokenizer=2048
 

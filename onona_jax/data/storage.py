@@ -254,7 +254,7 @@ def verify_once(data, record_dir, splits=("train", "heldout")) -> bool:
     keeps the data's identity and each verified shard's size, mtime and sha256; at every start
     a shard whose size and mtime are as recorded is not read again, any other is hashed. A
     shard that was replaced or damaged is a ValueError naming it and the fix. A rewrite that
-    keeps both size and mtime is not noticed (docs/DATA.md: the trade). Returns whether it
+    keeps both size and mtime is not noticed (docs/data.md: the trade). Returns whether it
     hashed. A remote data dir is verified as it is copied (`copy_to_cache`); only its identity
     is recorded. `data`: a data dir, or the run's opened `source.DataSource` (its manifest as
     already read; a mixture's named source keeps its record under its name)."""

@@ -1,4 +1,4 @@
-"""A first answer on a CPU (docs/RESULTS.md): Dense onóna vs Standard at the `micro` size, with a
+"""A first answer on a CPU (docs/results.md): Dense onóna vs Standard at the `micro` size, with a
 byte-level BPE trained on the corpus itself, over seeds, with its report and gate analysis, in one
 command, on the bundled corpus or any text a user points it at:
 

@@ -263,7 +263,7 @@ def markdown(report: dict) -> str:
     if abl:
         lines += ["", "## Table ablations", "",
                   "Each trained model on the same validation windows with one table in place of its own "
-                  "(README \"Table ablations\"): `X_only` reads and predicts with X alone, no gate (the paper's, "
+                  "(docs/experiments.md, \"Table ablations\"): `X_only` reads and predicts with X alone, no gate (the paper's, "
                   "SPEC §2); `X_in` feeds X[x] to the body under the model's own output; `X_out` predicts with X "
                   "alone from the model's own input rows. Gap = ablation − the model, paired by seed.",
                   "", "| arm | ablation | n | val_loss | gap | gap 95% CI ± |", "|---|---|---|---|---|---|"]

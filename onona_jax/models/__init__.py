@@ -12,7 +12,7 @@ everything the package knows of the family, the summary's accounting included: w
 component each trunk parameter counts in (`components`, checked for every path when the
 config is validated), its extra FLOPs beyond the weights' and the attention scores
 (`extra_flops`) and the initialisers it names (`initializers`). Adding a family touches its
-own file and this registry only (README, "Adding a decoder family").
+own file and this registry only (docs/extending.md, "Adding a decoder family").
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def config_problems(cfg_model) -> list[str]:
 def resolve_dispatch(name: str) -> str:
     """The dispatch `name` means under the active mesh: `auto` is grouped on TPU and GPU
     (native grouped matmuls) and under expert parallelism, sort on CPU (whose ragged_dot
-    computes every group densely, ~4x slower: benchmarks/bench_moe.py). Only grouped moves
+    computes every group densely, ~4x slower: benchmarks/bench.py --what=moe). Only grouped moves
     tokens to experts on other devices: sort or dense with mesh.expert > 1 is an error."""
     ep = expert_parallelism()
     if name == "auto":
@@ -320,7 +320,7 @@ def dispatch_grouped(x, weights, experts, C, gate, up, down):
     tensor_axis = w_in[2]  # (a psum over one device is free, and tells shard_map y is whole)
     # The weights enter whole in d: gathered over fsdp in the compute dtype, as any FSDP
     # weight, and their gradients reduced back (XLA:TPU lowers that as an all-reduce here, not
-    # a reduce-scatter: docs/SCALING.md, the MoE section). The gather is made explicit and
+    # a reduce-scatter: docs/notes/scaling-log.md, the MoE section). The gather is made explicit and
     # named so that `model.remat=attention_experts` keeps it for the backward pass.
     w_in, w_out = P(w_in[0], None, w_in[2]), P(w_out[0], w_out[1], None)
     dt = x.dtype

@@ -43,13 +43,21 @@ import os
 from absl import flags
 
 from onona_jax import cli, paths
-from onona_jax.serve import hf_format
 
-check_exportable = hf_format.check_supported  # what export refuses, before any array is read
+# hf_format (jax) is imported where used, so that --help starts without jax.
+
+
+def check_exportable(cfg_model) -> None:
+    """What export refuses (`hf_format.check_supported`), before any array is read."""
+    from onona_jax.serve import hf_format
+
+    hf_format.check_supported(cfg_model)
 
 
 def check_output(workdir: str, output: str, overwrite: bool = False) -> None:
     """`hf_format.check_output`, and never the run's own directory (its config.json)."""
+    from onona_jax.serve import hf_format
+
     if not paths.is_cloud(workdir) and os.path.realpath(output) == os.path.realpath(workdir):
         raise ValueError(f"--output={output} is the run's --workdir; give another folder (e.g. {workdir}/hf)")
     hf_format.check_output(output, overwrite)
@@ -60,6 +68,7 @@ def export(workdir: str, output: str, step: int | None = None, tokenizer: bool =
     """Export a run's checkpoint (the latest unless `step`); returns a summary dict. A non-empty
     `output` needs `overwrite`, which replaces only the files an export writes."""
     from onona_jax.checkpoint import restore_params, saved_config
+    from onona_jax.serve import hf_format
 
     check_output(workdir, output, overwrite)  # before reading any checkpoint
     saved = saved_config(workdir, step)

@@ -1,12 +1,31 @@
 """Training: the run's fixed parts and the train state (`state`), the optimizer and WSD
-schedule (`optimizer`), the jitted step (`step`), upcycling (`upcycle`) and the loop that
-resumes, logs, validates and checkpoints (`loop`).
+schedule (`optimizer`), the jitted step (`step`), upcycling a Standard run (`upcycling`) and
+the loop that resumes, logs, validates and checkpoints (`loop`).
 
     from onona_jax import train
     train.train(cfg, workdir)          # what train.py runs
 """
 
-from onona_jax.train.loop import NonFiniteLoss, peak_tflops, train  # noqa: F401
-from onona_jax.train.state import Run, abstract_train_state, init_state, setup  # noqa: F401
-from onona_jax.train.step import accumulated_grads, global_batch, loss_and_aux, make_train_step  # noqa: F401
-from onona_jax.train.upcycle import upcycle  # noqa: F401
+# The names each module gives the package. They are imported at first use (PEP 562), not with the
+# package: `python -m onona_jax.train.import_hf --help`, and the sweep (which imports `train.lock`),
+# then start without jax.
+_NAMES = {
+    "loop": ("NonFiniteLoss", "peak_tflops", "train"),
+    "state": ("Run", "abstract_train_state", "init_state", "setup"),
+    "step": ("accumulated_grads", "global_batch", "loss_and_aux", "make_train_step"),
+    "upcycling": ("upcycle",),
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    for module, names in _NAMES.items():
+        if name in names:
+            value = globals()[name] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *(n for names in _NAMES.values() for n in names)})

@@ -31,17 +31,10 @@ import os
 import shutil
 import sys
 
-import jax
-import ml_collections
 from absl import flags
 
 from onona_jax import cli, paths
-from onona_jax import config as config_lib
 from onona_jax import tokenizer as tokenizer_lib
-from onona_jax.checkpoint import Checkpoints
-from onona_jax.serve import hf_format
-from onona_jax.train.lock import WorkdirLock
-from onona_jax.train.state import new_state, setup
 
 
 def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dict:
@@ -50,6 +43,15 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     config when the folder has `onona_train_config.json`). eval.py, serving, export and
     `train.py --config.init_from` read it. Refuses a workdir that already has checkpoints, or
     whose lock (lock.json, as train.py takes it) another writer holds, before writing anything."""
+    import jax  # (here, not at the top: --help stays fast without jax)
+    import ml_collections
+
+    from onona_jax import config as config_lib
+    from onona_jax.checkpoint import Checkpoints
+    from onona_jax.serve import hf_format
+    from onona_jax.train.lock import WorkdirLock
+    from onona_jax.train.state import new_state, setup
+
     hf = hf_format.read_config(path)
     train_config = hf_format.read_train_config(path)
     base = None if train_config is None else ml_collections.ConfigDict(train_config)

@@ -27,7 +27,7 @@ from onona_jax.train import downstream
 from onona_jax.train.lock import LockLost, WorkdirLock, check as check_lock
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
-from onona_jax.train.upcycle import upcycle
+from onona_jax.train.upcycling import upcycle
 
 def peak_tflops(cfg) -> float | None:
     """Peak dense bf16 TFLOP/s per device, for model FLOPs utilisation: train.peak_tflops, else

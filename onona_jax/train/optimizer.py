@@ -58,7 +58,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     an elementwise divide as expensive, so it computes that quotient once into a buffer of
     its own for the two moment updates: an extra read and write of every gradient a step (on
     a 2-core CPU, 93.5 ms instead of 64.2 ms for a [50,304, 512] table's whole update;
-    `benchmarks/parts.py`, docs/PERFORMANCE.md). A scalar factor fuses into both. Unclipped
+    `benchmarks/peer.py --what=parts`, docs/notes/performance-log.md). A scalar factor fuses into both. Unclipped
     gradients are unchanged (× 1.0); clipped ones differ from optax's in the last bit. Its
     state is optax's (EmptyState), so the optimizer state and checkpoints keep their structure."""
 

@@ -9,7 +9,7 @@ scores them (its prompts, request tokenisation, rolling windows and aggregations
 Each result records the task, the harness task it follows, its metrics, the sample count,
 the scorer's max_length, the data's path and sha256 and the run's tokenizer (its identity:
 text is tokenised with it, and its eot starts every document). Formats per task: the modules'
-docstrings (`wikitext`, `lambada`, `multiple_choice`, `mmlu`) and README.md.
+docstrings (`wikitext`, `lambada`, `multiple_choice`, `mmlu`) and docs/evaluation.md.
 
 `Downstream` scores a set of tasks on any parameters: eval.py and the training loop's
 `train.tasks` both go through it.
