@@ -44,7 +44,7 @@ def define(fv, argv):
                          flag_values=fv)
     flags.DEFINE_integer("limit", None, "score only the first N examples of each task (quick checks)", flag_values=fv)
     flags.DEFINE_string("compile_cache", None, "JAX's persistent compilation cache: a directory or bucket URL, "
-                        "'' for none (default: train.compile_cache's default, README)", flag_values=fv)
+                        "'' for none (default: train.compile_cache's default, docs/training.md)", flag_values=fv)
 
 
 def parse_task_data(items) -> dict:

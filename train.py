@@ -22,7 +22,7 @@ RETIRED_BREAK_LOCK = (
 def define(fv, argv):
     flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>)", flag_values=fv)
     flags.DEFINE_bool("break_lock", False, "retired: a workdir's lock is never taken from a live run, and a "
-                      "dead run's is taken without it (README: What is guaranteed)", flag_values=fv)
+                      "dead run's is taken without it (docs/reliability.md)", flag_values=fv)
     if cli.help_asked(argv[1:]):
         return cli.define_config_for_help(fv, DEFAULT_CONFIG)
     from onona_jax import config as config_lib  # (here, not at the top: --help stays fast without jax)

@@ -1064,7 +1064,7 @@ def define_compile_cache(fv, argv):
     flags.DEFINE_string("aot_config", "", "also time `python -m onona_jax.aot` of this config (e.g. "
                         "configs/paper.py:dense-142m-twin)", flag_values=fv)
     flags.DEFINE_string("aot_topology", "v5e-16", "the AOT compile's slice", flag_values=fv)
-    flags.DEFINE_string("aot_remat", "attention", "model.remat of the AOT compile (docs/SCALING.md: --fit's plan "
+    flags.DEFINE_string("aot_remat", "attention", "model.remat of the AOT compile (docs/pods.md: --fit's plan "
                         "for dense-142m on v5e-16)", flag_values=fv)
     flags.DEFINE_string("lock", "/tmp/onona-heavy.lock", "flock file the AOT compiles queue on ('' for none)",
                         flag_values=fv)
@@ -1102,7 +1102,7 @@ def aot_start(fv, cache: str) -> dict:
     cmd = [sys.executable, "-m", "onona_jax.aot", f"--config={fv.aot_config}", f"--topology={fv.aot_topology}",
            "--config.mesh.data=1", "--config.mesh.fsdp=-1", f"--config.model.remat={fv.aot_remat}",
            "--eval_step=false", "--json"]
-    # onona_jax.aot leaves the cache off (README: a compile-only client cannot load an entry back); JAX's
+    # onona_jax.aot leaves the cache off (docs/training.md, "Compilation cache": a compile-only client cannot load an entry back); JAX's
     # own variables turn it on for this measurement, as train.compile_cache would.
     wall, out = _start((["flock", fv.lock] if fv.lock else []) + cmd, JAX_COMPILATION_CACHE_DIR=cache,
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")

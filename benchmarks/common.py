@@ -9,7 +9,7 @@ a config, one `error:` line and exit status 2 for bad usage, 1 for an anticipate
 
 Every script runs through `run` (this module's `cli.run`): it prints the machine's line first
 and the load average last, and every JSON a script prints or writes holds `record()` under
-"machine" (docs/PERFORMANCE.md: a CPU figure without its machine misleads). A suite script
+"machine" (docs/performance.md: a CPU figure without its machine misleads). A suite script
 (bench.py, peer.py, serve_bench.py) runs through `run_modes`: `--what=<mode>` picks one of its
 modes, each with its own flags and defaults.
 
@@ -53,7 +53,7 @@ def log(msg: str) -> None:
 # x86 server since 2013), AVX-512 with its bf16 and int8 dot products (Intel since Cooper
 # Lake/Ice Lake, AMD since Zen 4), AVX-VNNI (AVX2-width int8 dots) and AMX (Intel's tile
 # units, Sapphire Rapids on). The onona-jax vs torch.compile ranking on the CPU flips between
-# an AVX2-only Zen 1 and an AVX-512/bf16 Zen 4 (docs/PERFORMANCE.md).
+# an AVX2-only Zen 1 and an AVX-512/bf16 Zen 4 (docs/performance.md).
 GEMM_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile", "amx_int8")
 
 
@@ -344,7 +344,7 @@ def keep_freed_memory() -> bool:
     M_MMAP_MAX says) and unmaps it on free, so every step faults its temporaries in again page
     by page (220,796 minor faults a step for our d 512 step), and that costs more right after
     the other framework's process ran: our step took 2.0 s after one of its own and 2.5 s after
-    torch's (docs/PERFORMANCE.md). One arena, no mmap and no trimming keep the memory for the
+    torch's (docs/performance.md). One arena, no mmap and no trimming keep the memory for the
     next step, so a variant's time is its computation, not its allocator's page faults nor the
     order of the rounds. The cost, which is why train.py does not do this: the heap fragments
     and the process keeps its peak (peak RSS 4.44 GiB instead of 2.03 GiB for that step,

@@ -14,7 +14,7 @@ shapes, same start), the parts of it where onona-jax trailed, and where our step
 ## --what=step (the default)
 
 The shape is `--config`'s (its `model.head` is replaced by each of `--heads`); the d 512 row of
-docs/PERFORMANCE.md is dense-small with --config.model.d_model=512 --config.model.n_layers=8
+docs/performance.md is dense-small with --config.model.d_model=512 --config.model.n_layers=8
 --config.model.n_heads=8 --config.model.n_kv_heads=4 --config.model.head_dim=64
 --config.model.d_ff=1408 --config.train.global_batch=4 --config.data.seq_len=256.
 
