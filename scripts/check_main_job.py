@@ -9,7 +9,7 @@ its `val_loss`); runs nothing itself. Prints both and exits 0 when they agree wi
 tolerance, 1 when they do not (or when the workdir holds no evaluation of the main job's final
 step), 2 for bad usage.
 
-Tolerance: 0.05 nats. The same command gave val_loss 5.794, 5.800 and 5.777 on three hosts
+Tolerance: 0.05 nats. The same command gave val_loss 5.792, 5.794, 5.800 and 5.777 on four hosts
 (docs/performance.md, "Figures"): XLA's CPU kernels differ by instruction set (the GEMM library
 and its accumulation order follow the CPU's extensions), so the same recipe and data land a few
 hundredths apart, 0.023 at most so far. A real regression of the recipe (the model, the head,
