@@ -169,7 +169,16 @@ def _prerequisite(scratch: Path, needs: str):
 _OUTPUTS = {}  # command -> its output: a command two docs quote (README and a guide) runs once a process
 
 
-@pytest.mark.parametrize("where,lines,expects,error", BLOCKS, ids=[b[0] for b in BLOCKS])
+def _params():
+    """The blocks as test cases; those that need a run made first (`PREREQUISITES`: a training
+    run, about 35 s, then generate, export and eval on it, about 60 s in all) are in the slow
+    suite, so the default suite keeps its 15 minutes; the rest run there."""
+    for block in BLOCKS:
+        needs = any(p in line for p in PREREQUISITES for line in block[1])
+        yield pytest.param(*block, id=block[0], marks=[pytest.mark.slow] if needs else [])
+
+
+@pytest.mark.parametrize("where,lines,expects,error", list(_params()))
 def test_quick_commands(where, lines, expects, error, scratch):
     assert error is None, f"{where}: {error}"
     assert lines, f"{where}: the quick block has no command"
