@@ -205,17 +205,6 @@ def run(define, main, argv=None, doc: str = "", json_stdout: bool = False) -> in
     return cli.run(define, body, argv, doc)
 
 
-def what(argv, default: str) -> str:
-    """The `--what=<mode>` of a command line (the last one given), else `default`."""
-    mode = default
-    for i, arg in enumerate(argv):
-        if arg.startswith("--what="):
-            mode = arg.split("=", 1)[1]
-        elif arg == "--what" and i + 1 < len(argv):
-            mode = argv[i + 1]
-    return mode
-
-
 def run_modes(modes: dict, default: str, argv=None, doc: str = "") -> int:
     """`run` of a suite script: `--what=<mode>` picks one of `modes`, {name: (define(fv, argv),
     main(fv, rest, argv), json_stdout)}, `default` where none is given. Only the chosen mode's
@@ -224,7 +213,7 @@ def run_modes(modes: dict, default: str, argv=None, doc: str = "") -> int:
     from absl import flags
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    mode = what(argv, default)
+    mode = cli.flag_value(argv, "what", default)
     define, main, json_stdout = modes.get(mode, (None, None, False))
 
     def define_mode(fv, argv):
@@ -246,13 +235,7 @@ def config_args(fv, argv, default: str) -> tuple[str, dict]:
     its configs itself (one per head, or in a worker process)."""
     from onona_jax import config as config_lib
 
-    spec = default
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
-            spec = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            spec = argv[i + 1]
-    return spec, config_lib.overridden(fv.config, argv)
+    return cli.flag_value(argv, "config", default), config_lib.overridden(fv.config, argv)
 
 
 def refuse_set(argv) -> None:

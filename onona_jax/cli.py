@@ -323,6 +323,19 @@ def mesh(fv) -> tuple[int, int, int]:
     return sizes
 
 
+def flag_value(argv, name: str, default: str | None = None) -> str | None:
+    """The value of `--<name>=V` or `--<name> V` on a command line (the last one given, as absl
+    takes it), else `default`: read before the flags are parsed (which config to load, which
+    mode's flags to define)."""
+    value = default
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            value = arg[len(name) + 3:]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
 # What asks for the help (absl's spellings: `--helpfull` and `--helpshort` print the same, every
 # flag being the command's own).
 HELP = ("-h", "--help", "-help", "--helpfull", "-helpfull", "--helpshort", "-helpshort")

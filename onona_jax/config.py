@@ -14,6 +14,7 @@ import os
 import ml_collections
 
 from onona_jax import attention
+from onona_jax import cli
 from onona_jax import compile_cache
 from onona_jax import heads as heads_lib
 from onona_jax import layers
@@ -540,7 +541,7 @@ def define_flag(fv, argv, default: str | None = "configs/paper.py:dense-small-tw
 
     from onona_jax.cli import UsageError
 
-    spec = _spec(argv, default, name)
+    spec = cli.flag_value(argv, name, default)
     if spec is not None:  # config_flags would put a traceback into its message, or defer the error
         try:
             from_spec(spec)
@@ -567,24 +568,13 @@ def overridden(cfg, argv, name: str = "config") -> dict:
     return out
 
 
-def _spec(argv, default: str | None, name: str = "config") -> str | None:
-    """The `--<name>=` spec of a command line (the last one given), else `default`."""
-    spec = default
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"--{name}="):
-            spec = arg[len(name) + 3:]
-        elif arg == f"--{name}" and i + 1 < len(argv):
-            spec = argv[i + 1]
-    return spec
-
-
 def unknown_override(argv, default: str | None, name: str = "config") -> str | None:
     """The error for an override of a config key that does not exist (ml-collections raises
     a bare AttributeError/KeyError from deep inside), or None."""
     import difflib
 
     try:
-        cfg = load(_spec(argv, default, name))
+        cfg = load(cli.flag_value(argv, name, default))
     except Exception:  # noqa: BLE001 - not an unknown key after all: the original error speaks
         return None
     for arg in argv:

@@ -22,12 +22,13 @@ import os
 import re
 import sys
 
+from onona_jax import paths
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 0.05  # nats; the docstring says why
 MAIN_CONFIG = "dense-small-twin"  # what `python train.py` trains (train.py's DEFAULT_CONFIG)
 # The README's sentence right after the main job's command block.
 SENTENCE = re.compile(r"Train and eval took\b.*?\bval_loss\s+(\d+\.\d+)", re.S)
-STEP_FILE = re.compile(r"step_(\d+)\.json")
 
 
 class Failed(Exception):
@@ -43,16 +44,14 @@ def readme_val_loss(text: str) -> float:
 
 
 def latest_eval(workdir: str) -> tuple[str, dict]:
-    """(path, contents) of the newest DIR/eval/step_<N>.json, by N."""
-    folder = os.path.join(workdir, "eval")
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        raise Failed(f"{folder} does not exist: run `python eval.py --workdir={workdir}` first") from None
-    steps = sorted((int(m.group(1)), name) for name in names if (m := STEP_FILE.fullmatch(name)))
-    if not steps:
-        raise Failed(f"{folder} holds no step_<N>.json: run `python eval.py --workdir={workdir}` first")
-    path = os.path.join(folder, steps[-1][1])
+    """(path, contents) of the newest DIR/eval/step_<N>.json, by N (`paths.Workdir.eval_results`)."""
+    run = paths.Workdir(workdir)
+    found = run.eval_results() if os.path.isdir(run.eval) else None
+    if found is None:
+        raise Failed(f"{run.eval} does not exist: run `python eval.py --workdir={workdir}` first")
+    if not found:
+        raise Failed(f"{run.eval} holds no step_<N>.json: run `python eval.py --workdir={workdir}` first")
+    path = found[max(found)]
     with open(path) as f:
         result = json.load(f)
     if not isinstance(result.get("val_loss"), (int, float)):
@@ -63,7 +62,7 @@ def latest_eval(workdir: str) -> tuple[str, dict]:
 def _final_step(workdir: str):
     """train.steps of the run's saved config, or None where it is not fixed there (0: from a budget)."""
     try:
-        with open(os.path.join(workdir, "config.json")) as f:
+        with open(paths.Workdir(workdir).config) as f:
             steps = json.load(f).get("train", {}).get("steps")
     except (OSError, ValueError):
         return None

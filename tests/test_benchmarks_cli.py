@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from onona_jax import cli
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the scripts import common.py from beside them
 import bench  # noqa: E402
@@ -50,7 +51,7 @@ def test_modes_are_one_error_line(capsys):
     assert err == f"error: --what=gemm: choose one of {', '.join(bench.WHAT)}"
     assert "Unknown command line flag 'reps'" in _error(capsys, bench, "--what=families", "--reps=3")
     assert "Unknown command line flag 'rounds'" in _error(capsys, peer, "--what=parts", "--rounds=3")
-    assert common.what(["--what", "moe", "--what=compile"], "sections") == "compile"
+    assert cli.flag_value(["--what", "moe", "--what=compile"], "what", "sections") == "compile"
 
 
 def test_config_overrides_reach_the_step_config():

@@ -41,7 +41,6 @@ from onona_jax import tokenizer as tokenizer_lib
 QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
-
 def gated_heads() -> dict:
     """The registered heads with a gate and the rows it reads (symbol, definition), as the
     heads declare them (`Head.gate_reads`)."""
