@@ -4,6 +4,22 @@
 * engines -- what serving a twin export through vLLM buys (issue 41, item 5): one run, side by
   side, one machine: vLLM with our model (exact mixture, and one-projection mode), transformers
   `generate` on the same export, and our JAX `Server` (exact mixture, and one_projection=True).
+* one_projection -- why vLLM's batch-1 one-projection ratio sits where it does: the head alone
+  as the plugin computes it with vLLM's own CPU projection, and paired engines (exact and
+  one-projection, alternating) at batch 1; the step a head's saving predicts beside both:
+
+    python benchmarks/serve_bench.py --what=one_projection [--vllm_python=...] [--out_dir=DIR] \
+        [--config=...|--workdir=RUN|--export=DIR] [--pairs=3] [--calls=5] [--head_calls=300]
+
+  Head (`serve_bench_vllm.py`'s head job: `OnonaForCausalLM.compute_logits` with oneDNN
+  projections, prepacked as `ParallelLMHead` runs on a CPU): at each of --head_batches (1, 8,
+  32), the median of --head_calls calls of one V×d projection, plain torch `h @ Aᵀ`, the exact
+  head, the mixture on given logits, the one-projection head. Engines: --pairs × (an exact
+  engine, then a one-projection one), each a fresh process, batch 1, temperature 1, each the
+  median of --calls calls of --new_tokens after --prompt_len (decode ms/step as the engines
+  mode computes it). Predicted (a model): the exact step less the head's batch-1 saving, which
+  assumes the rest of the step is unchanged; beside it the bytes model (the engines mode's).
+  The export: as the engines mode makes or takes it (the same --out_dir reuses it).
 * memory  -- peak memory of `Server.from_workdir` against the parameters' bytes (issue 11: ≤ 1.2 ×):
 
     python benchmarks/serve_bench.py --what=memory [--config=configs/paper.py:dense-142m-twin] [--workdir=DIR] \
@@ -122,12 +138,14 @@ from pathlib import Path
 from absl import flags
 
 import common  # benchmarks/common.py, beside this script
-from onona_jax import cli
-from onona_jax import config as config_lib
 
 # JAX on the CPU (the fresh checkpoint here, the JAX server's process), beside vLLM and torch on
-# the CPU; set before jax is imported here or in a worker (which imports this module first).
+# the CPU; set before jax is imported (onona_jax.config imports it; JAX reads JAX_PLATFORMS at
+# import), here or in a worker (which imports this module first).
 common.cpu_only()
+
+from onona_jax import cli  # noqa: E402
+from onona_jax import config as config_lib  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 VLLM_HELPER = HERE / "serve_bench_vllm.py"
@@ -878,6 +896,192 @@ def main_engines(fv, rest, argv):
     return 0
 
 
+# ----------------------------------------------------------------------------- --what=one_projection
+
+# fp32 log-probs (|log p| ≲ 20) of V-wide dot products against float64: rounding, not a wrong head
+HEAD_TOL = 1e-3
+ONE_QUICK = dict(head_batches="1,2", head_calls=10, pairs=1, calls=1, prompt_len=16, new_tokens=8)
+
+
+def define_one_projection(fv, argv):
+    quick = any(a in ("--quick", "--quick=true", "--quick=True", "--quick=1") for a in argv)
+    flags.DEFINE_bool("quick", False, f"smoke run: {QUICK_CONFIG.split(':')[1]} by default, head batches 1,2 of 10 "
+                      "calls, one pair of engines, 16 tokens in, 8 out, 1 call (flags given explicitly win)",
+                      flag_values=fv)
+    flags.DEFINE_string("workdir", None, "a run to export (default: OUT_DIR/run, a fresh checkpoint of --config)",
+                        flag_values=fv)
+    flags.DEFINE_string("export", None, "its export (default: OUT_DIR/export)", flag_values=fv)
+    flags.DEFINE_string("out_dir", None, "where one_projection.json/.md (and a made run and export) go (default: "
+                        "runs/serve_bench/<config name>[-quick], the engines mode's)", flag_values=fv)
+    flags.DEFINE_string("vllm_python", DEFAULT_VLLM_PYTHON, "the vLLM venv's python (scripts/vllm_env.sh)",
+                        flag_values=fv)
+    flags.DEFINE_list("head_batches", ["1", "8", "32"], "batches of the head alone", flag_values=fv)
+    flags.DEFINE_integer("head_calls", 300, "timed calls of each head variant (the median is reported)", flag_values=fv)
+    flags.DEFINE_integer("pairs", 3, "engine pairs (exact, then one-projection), each engine a fresh process",
+                         flag_values=fv)
+    flags.DEFINE_integer("calls", 5, "timed calls per engine (the median is reported)", flag_values=fv)
+    flags.DEFINE_integer("prompt_len", 128, "prompt tokens", flag_values=fv)
+    flags.DEFINE_integer("new_tokens", 128, "new tokens (exactly: no early stop)", flag_values=fv)
+    flags.DEFINE_string("vllm_one_overrides", '{"one_projection": true}', "hf_overrides (JSON) of one-projection mode",
+                        flag_values=fv)
+    flags.DEFINE_float("worker_timeout_s", 0.0, "kill an engine's process after this long (0: never)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "prompt, hidden rows and sampling", flag_values=fv)
+    return config_lib.define_flag(fv, argv, QUICK_CONFIG if quick else DEFAULT_CONFIG)
+
+
+def main_one_projection(fv, rest, argv):
+    import numpy as np
+
+    if rest:
+        raise cli.UsageError(f"unexpected arguments {rest}")
+    if fv.quick:
+        for k, v in ONE_QUICK.items():
+            if not _given(argv, k):
+                setattr(fv, k, v.split(",") if k == "head_batches" else v)
+    try:
+        head_batches = sorted({int(b) for b in fv.head_batches})
+        one_overrides = json.loads(fv.vllm_one_overrides)
+    except ValueError as err:
+        raise cli.UsageError(f"--head_batches (positive integers) or --vllm_one_overrides (JSON): {err}") from None
+    if not head_batches or head_batches[0] < 1 or min(fv.head_calls, fv.pairs, fv.calls, fv.prompt_len) < 1 \
+            or fv.new_tokens < 2:
+        raise cli.UsageError("--head_batches ≥ 1, --head_calls, --pairs, --calls and --prompt_len ≥ 1, "
+                             "--new_tokens ≥ 2")
+    if not os.path.exists(fv.vllm_python):
+        raise cli.UsageError(f"--vllm_python={fv.vllm_python} does not exist: build the venv with "
+                             "`bash scripts/vllm_env.sh /tmp/vllm-venv`")
+    cfg = config_lib.validate(fv.config)
+    out_dir = fv.out_dir or os.path.join(REPO, "runs", "serve_bench", cfg.name + ("-quick" if fv.quick else ""))
+    os.makedirs(out_dir, exist_ok=True)
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if not fv.workdir and not fv.export:
+        cfg.model.dtype = "float32"  # a fresh checkpoint's export holds fp32, as the engines mode's
+    workdir, export = prepare(fv, cfg, out_dir, log)
+    with open(os.path.join(export, "config.json")) as f:
+        hf = json.load(f)
+    if not (hf.get("head_log_weights") and len(hf.get("head_outputs") or ()) >= 2):
+        raise cli.UsageError(f"{export} has no gated head (head_log_weights): one-projection needs a twin (or another "
+                             "gated) export")
+    from safetensors import safe_open
+
+    from onona_jax.checkpoint import saved_config
+
+    with safe_open(os.path.join(export, "model.safetensors"), "np") as st:
+        gate_mean = float(np.exp(st.get_tensor(hf["head_log_weights"])[:, 0]).mean())
+    saved = saved_config(workdir)
+    res = dict(command="python benchmarks/serve_bench.py " + " ".join(argv), config=saved.get("name") or cfg.name,
+               export=export, dtype="float32", head_batches=head_batches, pairs=fv.pairs, calls=fv.calls,
+               prompt_len=fv.prompt_len, new_tokens=fv.new_tokens, gate_mean=gate_mean, machine=common.record(),
+               engines=[])
+    vllm_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    vllm_env.pop("JAX_PLATFORMS", None)
+    timeout = fv.worker_timeout_s or None
+    cmd = [fv.vllm_python, str(VLLM_HELPER)]
+
+    log("head alone")
+    head = run_worker(cmd, dict(job="head", engine="head", export=export, batches=head_batches, calls=fv.head_calls,
+                                warmup=max(3, fv.head_calls // 10), seed=fv.seed),
+                      os.path.join(out_dir, "one_projection_head.json"), vllm_env, timeout, log)
+    res["head"], res["head_info"] = head.get("rows", []), head.get("info", {})
+    if head.get("error"):
+        res["head_error"] = head["error"]
+    write_one(res, out_dir)
+
+    prompt = np.random.default_rng(fv.seed).integers(0, min(int(hf["vocab_size"]), VOCAB_TEXT), fv.prompt_len).tolist()
+    max_model_len = fv.prompt_len + fv.new_tokens
+    kv = int(hf["num_hidden_layers"]) * 2 * int(hf["num_key_value_heads"]) * int(
+        hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])) * 4 * (max_model_len + 128)
+    base = dict(job="offline", export=export, prompts=[prompt], batches=[1], modes=["sample"], new_tokens=fv.new_tokens,
+                repeats=fv.calls, prefill=True, seed=fv.seed, dtype="float32", max_model_len=max_model_len,
+                max_num_seqs=1, kv_cache_bytes=max(64 << 20, 2 * kv))
+    one = dict(one_projection=True, one_projection_overrides=one_overrides,
+               one_projection_logits_processors=["onona_jax.serve.vllm:OneProjectionRequests"])
+    for i in range(fv.pairs):
+        for name in ("vllm", "vllm_one"):
+            log(f"pair {i + 1}/{fv.pairs}: {name}")
+            r = run_worker(cmd, dict(base, engine=name, **(one if name == "vllm_one" else {})),
+                           os.path.join(out_dir, f"one_projection_{name}_{i}.json"), vllm_env, timeout, log)
+            rows = [offline_figures(dict(row, engine=name)) for row in r.get("rows", [])]
+            res["engines"].append(dict(engine=name, pair=i, error=r.get("error"), process_s=r["process_s"],
+                                       other_cores_busy=r.get("other_cores_busy"),
+                                       decode_ms_per_step=(rows[0].get("decode_ms_per_step") if rows else None)))
+            write_one(res, out_dir)
+
+    res.update(one_projection_summary(res, saved.model))
+    res["elapsed_s"] = time.perf_counter() - t_start
+    write_one(res, out_dir)
+    print(markdown_one(res))
+    log(f"wrote {out_dir}/one_projection.json and one_projection.md")
+    if res.get("head_error") or not res.get("step_ratio"):
+        raise cli.Failure(f"a part measured nothing: see {out_dir}/one_projection.md and the logs there")
+    wrong = [r["batch"] for r in res["head"] if max(r["exact_max_err"], r["one_projection_max_err"]) > HEAD_TOL]
+    if wrong:
+        raise cli.Failure(f"the timed head's log-probs differ from float64 by more than {HEAD_TOL} at batch "
+                          f"{wrong}: the figures time something else than the plugin's head")
+    return 0
+
+
+def one_projection_summary(res, cfg_model) -> dict:
+    """Medians over the engines; the ratio the head's batch-1 saving predicts (the rest of the
+    step unchanged: a model) and the bytes model's."""
+    steps = {name: [e["decode_ms_per_step"] for e in res["engines"] if e["engine"] == name and e["decode_ms_per_step"]]
+             for name in ("vllm", "vllm_one")}
+    out = dict(step_ms={k: median(v) for k, v in steps.items()},
+               step_ms_range={k: (min(v), max(v)) if v else None for k, v in steps.items()})
+    ex, one = out["step_ms"]["vllm"], out["step_ms"]["vllm_one"]
+    if ex and one:
+        out["step_ratio"] = ex / one
+    h1 = next((r for r in res["head"] if r["batch"] == 1), None)
+    if ex and h1:
+        saving = h1["exact_head_ms"] - h1["one_projection_head_ms"]
+        out.update(head_saving_ms=saving, rest_of_step_ms=ex - h1["exact_head_ms"],
+                   predicted_ratio=ex / (ex - saving))
+    out["bytes_model_ratio"] = step_model(cfg_model, 1, res["prompt_len"] + res["new_tokens"] / 2, res["gate_mean"],
+                                          4)["bytes_ratio"]
+    return out
+
+
+def markdown_one(res) -> str:
+    lines = [f"# One projection against the exact mixture in vLLM: {res['config']}", "",
+             f"command: `{res['command']}`", "", f"machine: {common.machine_line(res['machine'])}", "",
+             f"export `{res['export']}`; float32; ḡ = {res['gate_mean']:.3f}", "",
+             "## The head alone (`OnonaForCausalLM.compute_logits`, vLLM's oneDNN projection), median ms", "",
+             "| batch | one V×d projection (oneDNN) | GB/s | plain torch `h @ Aᵀ` | exact head | the mixture alone "
+             "| one-projection head | checked: max error exact / one-projection |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["head"]:
+        lines.append(f"| {r['batch']} | {r['projection_ms']:.2f} | {r['projection_gb_per_s']:.1f} | "
+                     f"{r['torch_matmul_ms']:.2f} | {r['exact_head_ms']:.2f} | {r['mixture_ms']:.2f} | "
+                     f"{r['one_projection_head_ms']:.2f} | {r['exact_max_err']:.1e} / {r['one_projection_max_err']:.1e} |")
+    if res.get("head_error"):
+        lines.append(f"\nerror: {res['head_error']}")
+    lines += ["", f"## Paired engines, batch 1, temperature 1, {res['new_tokens']} tokens after {res['prompt_len']}, "
+              f"median of {res['calls']} calls each", "", "| pair | engine | decode ms/step | other cores busy | note |",
+              "|---|---|---|---|---|"]
+    for e in res["engines"]:
+        lines.append(f"| {e['pair'] + 1} | {e['engine']} | {fmt(e['decode_ms_per_step'], '{:.2f}')} | "
+                     f"{fmt(e.get('other_cores_busy'), '{:.3f}')} | {e.get('error') or ''} |")
+    if "step_ms" in res:
+        rng = res["step_ms_range"]
+        span = lambda k: f" ({rng[k][0]:.2f}–{rng[k][1]:.2f})" if rng.get(k) else ""  # noqa: E731
+        lines += ["", f"Decode step: exact {fmt(res['step_ms']['vllm'], '{:.2f}')} ms{span('vllm')}, one-projection "
+                  f"{fmt(res['step_ms']['vllm_one'], '{:.2f}')} ms{span('vllm_one')}: **{fmt(res.get('step_ratio'), '{:.3f}')} ×**.",
+                  f"Predicted from the head's batch-1 saving ({fmt(res.get('head_saving_ms'), '{:.2f}')} ms of "
+                  f"{fmt(res.get('rest_of_step_ms'), '{:.2f}')} ms outside the head unchanged; a model): "
+                  f"{fmt(res.get('predicted_ratio'), '{:.3f}')} ×; the bytes model (every byte at one rate): "
+                  f"{fmt(res.get('bytes_model_ratio'), '{:.3f}')} ×."]
+    if "elapsed_s" in res:
+        lines += ["", f"elapsed {res['elapsed_s']:.0f} s"]
+    return "\n".join(lines) + "\n"
+
+
+def write_one(res, out_dir):
+    with open(os.path.join(out_dir, "one_projection.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out_dir, "one_projection.md"), "w") as f:
+        f.write(markdown_one(res))
+
+
 # ----------------------------------------------------------------------------- --what=memory
 
 
@@ -941,6 +1145,7 @@ def main_memory(fv, rest, argv):
 # --what=<mode>: (define, main, whether stdout is one JSON object)
 WHAT = {
     "engines": (define_engines, main_engines, False),
+    "one_projection": (define_one_projection, main_one_projection, False),
     "memory": (define_memory, main_memory, False),
 }
 

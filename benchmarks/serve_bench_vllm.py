@@ -7,7 +7,8 @@ process, never by hand:
 SPEC.json (written by serve_bench.py) names the job and where its result goes; the result
 JSON is rewritten after every measured row, so a process that dies (out of memory, a timeout)
 leaves what it measured. Needs only the standard library and vllm (and transformers/httpx,
-both vllm dependencies, for `tserve`); onona_jax is imported only by vLLM's plugin loader.
+both vllm dependencies, for `tserve`); onona_jax is imported by vLLM's plugin loader, and by the
+head job (the plugin's own `compute_logits`).
 
 Jobs ("job" in the spec):
 
@@ -27,6 +28,14 @@ Jobs ("job" in the spec):
   text prompts of `prompt_len` single-token words and a generation_config of exactly
   `new_tokens` new tokens; where the server does not start or a request fails, the error line
   is the result.
+
+* head -- the plugin's `compute_logits` alone (`OnonaForCausalLM.compute_logits` on a stand-in
+  for the module whose `logits_processor` is vLLM's own CPU projection: oneDNN with the weights
+  prepacked, `vllm._custom_ops.create_onednn_mm` / `onednn_mm`, what a `ParallelLMHead`
+  runs on an x86 CPU): per batch, the median of `calls` calls (after `warmup`) of one V×d
+  projection (oneDNN), the same as plain torch `h @ Tᵀ`, the exact head (K projections and
+  the mixture), the mixture alone (its log-softmaxes and logsumexp, on logits given) and the
+  one-projection head. Rows of hidden states N(0, 1), input ids uniform below the vocabulary.
 
 Prefix caching is off (the timed calls repeat their prompts: a cached prefix would skip the
 prefill that the other engines pay).
@@ -302,13 +311,103 @@ def tserve(spec, res):
             proc.kill()
 
 
+# ----------------------------------------------------------------------------- head
+
+
+def head(spec, res):
+    import statistics
+    import types
+
+    import torch
+    from safetensors.torch import load_file
+    from vllm import _custom_ops as ops
+
+    from onona_jax.serve.vllm import head as head_lib
+    from onona_jax.serve.vllm.model import OnonaForCausalLM
+
+    torch.manual_seed(int(spec["seed"]))
+    with open(os.path.join(spec["export"], "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("head_rule") != "mixture" or len(cfg.get("head_outputs") or ()) < 2 or not cfg.get("head_log_weights"):
+        raise ValueError(f"{spec['export']}: the head job times a gated mixture (head_rule 'mixture', two or more "
+                         "head_outputs, head_log_weights); export a twin (or another gated) model")
+    tensors = load_file(os.path.join(spec["export"], "model.safetensors"))
+    tables = [tensors[name].float().contiguous() for name in cfg["head_outputs"]]
+    V, d = tables[0].shape
+    columns = head_lib.id_columns(V)
+    handlers = [ops.create_onednn_mm(t.t(), 32) for t in tables]  # as vLLM's CPU linear prepacks a weight
+
+    # a stand-in for the module: the plugin's own compute_logits over vLLM's CPU projection
+    model = types.SimpleNamespace(
+        columns=columns, hidden_size=d, vocab_size=V, log_weights=tensors[cfg["head_log_weights"]].float(),
+        tables=list(range(len(tables))), score=cfg.get("head_score") or "", mos=False, one_projection=False,
+        _generator=None, seed=int(spec["seed"]),
+        logits_processor=lambda k, h: ops.onednn_mm(handlers[k], h, None))
+    model._split = lambda hs: OnonaForCausalLM._split(model, hs)
+    model._one_projection_logits = lambda h, lw: OnonaForCausalLM._one_projection_logits(model, h, lw)
+    one = types.SimpleNamespace(**{**vars(model), "one_projection": True})
+    one._split = lambda hs: OnonaForCausalLM._split(one, hs)
+    one._one_projection_logits = lambda h, lw: OnonaForCausalLM._one_projection_logits(one, h, lw)
+    res["info"] = dict(vocab=V, d=d, tables=len(tables), torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                       projection="vllm._custom_ops.onednn_mm (prepacked, as ParallelLMHead on a CPU)")
+
+    def timed(fn):
+        for _ in range(int(spec["warmup"])):
+            fn()
+        times = []
+        for _ in range(int(spec["calls"])):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(times)
+
+    with torch.inference_mode():
+        for batch in spec["batches"]:
+            h = torch.randn(batch, d)
+            ids = torch.randint(0, V, (batch,))
+            rows = torch.cat([h, head_lib.carry_ids(ids, columns, h.dtype)], dim=-1)
+            logits = [ops.onednn_mm(hd, h, None) for hd in handlers]
+            log_weights = model.log_weights[ids]
+            row = dict(batch=batch, **checked(model, one, rows, h, tables, log_weights))
+            res["rows"].append(row)
+            row["projection_ms"] = timed(lambda: ops.onednn_mm(handlers[0], h, None))
+            row["torch_matmul_ms"] = timed(lambda: h @ tables[0].t())
+            row["exact_head_ms"] = timed(lambda: OnonaForCausalLM.compute_logits(model, rows))
+            row["mixture_ms"] = timed(lambda: head_lib.mixture_log_probs(logits, log_weights, model.score))
+            row["one_projection_head_ms"] = timed(lambda: OnonaForCausalLM.compute_logits(one, rows))
+            row["projection_gb_per_s"] = V * d * tables[0].element_size() / (row["projection_ms"] * 1e6)
+            print(f"vllm head batch {batch}: {row}", file=sys.stderr, flush=True)
+            write(spec, res)
+
+
+def checked(model, one, rows, h, tables, log_weights) -> dict:
+    """What the head job times is the head: the exact head's log-probs against float64 (max
+    abs error), and every one-projection row equal to one table's scored logits up to a
+    constant (a softmax's logits), the component it drew (max abs error of the centred rows)."""
+    import torch
+
+    from onona_jax.serve.vllm import head as head_lib
+    from onona_jax.serve.vllm.model import OnonaForCausalLM
+
+    z64 = [h.double() @ t.double().t() for t in tables]
+    ref = head_lib.mixture_log_probs(z64, log_weights.double(), model.score).double()
+    exact = OnonaForCausalLM.compute_logits(model, rows).double()
+    one._generator = None  # the draws of the check, then of the timing, from the seed
+    got = OnonaForCausalLM.compute_logits(one, rows).double()
+    centre = lambda x: x - x.mean(-1, keepdim=True)  # noqa: E731
+    per_table = torch.stack([(centre(got) - centre(head_lib.score_logits(z, model.score).double())).abs().amax(-1)
+                             for z in z64])  # [K, N]
+    return dict(exact_max_err=float((exact - ref).abs().max()), one_projection_max_err=float(per_table.amin(0).max()),
+                components_drawn=[int(k) for k in per_table.argmin(0).bincount(minlength=len(tables))])
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     res = {"job": spec["job"], "engine": spec.get("engine"), "rows": []}
     write(spec, res)
     try:
-        {"offline": offline, "online": online, "tserve": tserve}[spec["job"]](spec, res)
+        {"offline": offline, "online": online, "tserve": tserve, "head": head}[spec["job"]](spec, res)
     except Exception as err:  # noqa: BLE001 (one line for the table; the traceback on stderr)
         traceback.print_exc()
         res["error"] = error_line(err)

@@ -261,7 +261,7 @@ def _drop_orbax_leftovers():
             return
         previous(unraisable)
 
-    hook.onona_filter = True
+    hook.onona_filter, hook.previous = True, previous  # (`.previous`: cli's hook finds itself below)
     sys.unraisablehook = hook
 
 

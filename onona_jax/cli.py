@@ -161,6 +161,18 @@ def _unraisable(unraisable):
     _SIGINT.previous_hook(unraisable)
 
 
+def _in_chain(hook, target) -> bool:
+    """Whether `target` is `hook` or below it in a chain of hooks that name the one they call
+    (`.previous`: ours do)."""
+    seen = set()
+    while hook is not None and id(hook) not in seen:
+        if hook is target:
+            return True
+        seen.add(id(hook))
+        hook = getattr(hook, "previous", None)
+    return False
+
+
 def _watch(fd: int):
     """The second SIGINT's watcher: Python's own C-level handler writes each signal's number to
     the wakeup fd as it arrives, whatever the main thread is doing."""
@@ -204,7 +216,12 @@ def _sigint_handling():
         threading.Thread(target=_watch, args=(r,), name="onona-sigint-watcher", daemon=True).start()
     _SIGINT.handled = _SIGINT.seen = _SIGINT.redelivered = _SIGINT.pending = 0
     _SIGINT.stops = []
-    _SIGINT.previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
+    # Once in the chain: an earlier run's hook left under a hook chained to it since (a checkpoint
+    # read's filter), installed again on top, would chain to itself in a circle.
+    installed = not _in_chain(sys.unraisablehook, _unraisable)
+    if installed:
+        _SIGINT.previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
+        _unraisable.previous = _SIGINT.previous_hook
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         previous_fd = signal.set_wakeup_fd(_SIGINT.pipe[1], warn_on_full_buffer=False)
@@ -218,7 +235,7 @@ def _sigint_handling():
         if previous_fd is not None:
             signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGINT, previous)
-        if sys.unraisablehook is _unraisable:  # (else another hook chained to it since: left in place)
+        if installed and sys.unraisablehook is _unraisable:  # (else another hook chained to it since: left)
             sys.unraisablehook = _SIGINT.previous_hook
 
 

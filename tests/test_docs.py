@@ -24,6 +24,7 @@ validation windows), once per session and shared by xdist workers.
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -166,7 +167,23 @@ def _prerequisite(scratch: Path, needs: str):
         done.touch()
 
 
-_OUTPUTS = {}  # command -> its output: a command two docs quote (README and a guide) runs once a process
+def _run_once(line: str, scratch: Path, timeout: float, where: str) -> str:
+    """The output of `line` run in the scratch directory, once a test run: a command two docs
+    quote (README and a guide) runs once whichever xdist worker takes it first (a second export
+    into the same folder would be refused), the other reads its output. A lock per command."""
+    key = hashlib.sha1(line.encode()).hexdigest()[:16]
+    out = scratch / f".out-{key}"
+    with _locked(scratch.parent / f"docs-quick-{key}.lock"):
+        if out.exists():
+            return out.read_text()
+        try:
+            r = _run(line, scratch, timeout)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{where}: past the block's {BLOCK_TIMEOUT_S} s at\n$ {line}\n{(e.output or '')[-4000:]}\n"
+                        "(a quick block must run in seconds on a CPU: unmark it or make it quicker)")
+        assert r.returncode == 0, f"{where}: exit {r.returncode} from\n$ {line}\n{r.stdout[-6000:]}"
+        out.write_text(r.stdout)
+        return r.stdout
 
 
 def _params():
@@ -190,17 +207,7 @@ def test_quick_commands(where, lines, expects, error, scratch):
         if any(needs in line for line in lines):
             _prerequisite(scratch, needs)
     deadline = time.monotonic() + BLOCK_TIMEOUT_S
-    output = []
-    for line in lines:
-        if line not in _OUTPUTS:
-            try:
-                r = _run(line, scratch, max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired as e:
-                pytest.fail(f"{where}: past the block's {BLOCK_TIMEOUT_S} s at\n$ {line}\n{(e.output or '')[-4000:]}\n"
-                            "(a quick block must run in seconds on a CPU: unmark it or make it quicker)")
-            assert r.returncode == 0, f"{where}: exit {r.returncode} from\n$ {line}\n{r.stdout[-6000:]}"
-            _OUTPUTS[line] = r.stdout
-        output.append(_OUTPUTS[line])
+    output = [_run_once(line, scratch, max(1.0, deadline - time.monotonic()), where) for line in lines]
     printed = "\n".join(output)
     for text in expects:
         assert text in printed, \

@@ -143,6 +143,7 @@ def test_register_refuses_a_non_head_and_a_taken_name():
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_triplet_evaluates_to_a_direct_computation; the step: test_train)
 def test_triplet_trains_with_its_loss_and_gate_statistics(tiny_data):
     """Step 1's loss and gate statistics equal a float64 computation from the initial
     parameters and the first batch; five steps later the loss has fallen."""

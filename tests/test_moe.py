@@ -286,11 +286,10 @@ def test_sort_or_dense_under_expert_parallelism_is_an_error():
 
 # (data, fsdp, expert, tensor): expert parallelism 2, 4 and 8 beside data, FSDP and tensor axes
 EP_MESHES = [(1, 2, 2, 2), (2, 1, 4, 1), (1, 1, 8, 1), (2, 2, 1, 2)]
-SLOW_EP_MESHES = [(1, 2, 2, 2), (2, 1, 4, 1), (1, 1, 8, 1)]  # suite-time margin (cover for EP: test_families' moe-ep4)
 
 
-@pytest.mark.parametrize("mesh_shape", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EP_MESHES else m for m in EP_MESHES],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.slow  # suite-time margin (cover for EP: test_families' moe-ep4)
+@pytest.mark.parametrize("mesh_shape", EP_MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_expert_parallel_loss_and_gradients_equal_one_device_sort(mesh_shape):
     """The tiny MoE model's loss and gradients on an 8-device mesh with expert parallelism
     (grouped dispatch, all-to-all) equal one device's sort dispatch, with capacity drops:

@@ -301,6 +301,7 @@ def test_report_states_budgets_and_data_passes(tmp_path):
         assert f"| {b['steps']:,} | {b['tokens']:,} |" in line and f"| {b['tokens'] / pool:.3f} |" in line
 
 
+@pytest.mark.slow  # suite-time margin (cover: test_hf_export's dense-twin export, its RoPE at the tiny context)
 def test_a_long_context_export_loads_in_transformers_with_its_rope(tmp_path):
     """A twin model at 2,048 tokens and RoPE base 500,000: the export's config carries both
     (max_position_embeddings, rope_theta) and transformers' log-probabilities over 1,500 tokens —

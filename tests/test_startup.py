@@ -71,15 +71,20 @@ needs_no_accelerator = pytest.mark.skipif(bool(cli.accelerators()),
 
 @needs_libtpu
 @needs_no_accelerator
-def test_a_cpu_command_prints_no_libtpu_startup_errors(tmp_path):
+@pytest.mark.parametrize("command,error", [
+    (["eval.py", "--workdir={tmp}/run"], "error: no checkpoints in "),
+    # a benchmark that starts JAX (its machine line names the backend) after importing onona_jax.config
+    (["benchmarks/serve_bench.py", "--what=one_projection", "--vllm_python={tmp}/none"], "error: --vllm_python="),
+], ids=["eval", "serve_bench"])
+def test_a_cpu_command_prints_no_libtpu_startup_errors(tmp_path, command, error):
     """JAX_PLATFORMS unset, a command that starts JAX's backend (eval.py asks for its devices
     before it finds no checkpoint) prints its one error line and nothing of libtpu's."""
-    p = subprocess.run([sys.executable, "eval.py", f"--workdir={tmp_path}/run"], cwd=REPO, env=env(),
+    p = subprocess.run([sys.executable, *(c.format(tmp=tmp_path) for c in command)], cwd=REPO, env=env(),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr[-3000:]
     assert not LIBTPU_LINES.search(p.stderr), p.stderr[-3000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: no checkpoints in "), p.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(error), p.stderr[-3000:]
 
 
 @needs_libtpu

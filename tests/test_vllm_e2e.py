@@ -19,11 +19,15 @@ far enough apart that 200,000 draws tell one softmax from the mixture).
 
 Also: MoE twin, dense MoS and sigsoftmax exports (noisy untrained parameters, GPT-2's vocabulary)
 give our Server's greedy tokens and prompt logprobs, and a GDN export is refused with its error.
+Tensor parallelism 2 (two workers, one core each) serves dense and MoE twin exports as our
+Server does. And `benchmarks/serve_bench.py --what=one_projection --quick` on the twin export: what it times
+is the plugin's head (checked against float64), and its paired engines each measure a step.
 
 If the venv cannot be built (no network, no wheel for this machine), the tests fail with the
 script's reason. Measured on the 2-core CPU machine, the venv already built (a first build adds
 about 2 minutes): 134 s for both (twin 97 s, of which vLLM 76 s: 200,000 draws 34 s mixture,
-30 s one-projection; the other exports 35 s); 138 to 159 s while another job ran.
+30 s one-projection; the other exports 35 s); 138 to 159 s while another job ran. On 2026-12-06,
+idle: tensor parallelism 65 s, the benchmark's quick run 55 s.
 
     ONONA_VLLM_VENV=/tmp/vllm-venv python -m pytest -q -m slow tests/test_vllm_e2e.py
 """
@@ -246,3 +250,51 @@ def test_vllm_serves_moe_mos_and_sigsoftmax_and_refuses_gdn(tmp_path):
             assert "onona_jax's Server" in got["start_error"] and "trust_remote_code=True" in got["start_error"]
             continue
         _check_greedy_and_logprobs(serving.Server(cfg, params, max_len=256), job, got, f"{arch}-{head}")
+
+
+def test_vllm_tensor_parallel_serves_the_twin_exactly(tmp_path):
+    """Tensor parallelism 2 (two vLLM workers, one core each, gloo): each output table a
+    `ParallelLMHead` split by vocabulary rows (25,152 of GPT-2's 50,304 a rank), the gate
+    lookup replicated; dense and MoE twin exports (noisy untrained parameters, 2 KV heads, so
+    attention splits too) give our Server's greedy tokens and prompt logprobs (1e-4)."""
+    rng = np.random.default_rng(1)
+    for arch in ("dense", "moe"):
+        cfg = tiny_config(str(tmp_path / "no-data"), head="twin", arch=arch)
+        cfg.model.update(n_heads=2, n_kv_heads=2, head_dim=64)
+        cfg = config_lib.validate(cfg)
+        params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32),
+                              model_lib.init(cfg.model, 0)[1])
+        out = tmp_path / arch
+        hf_format.export(params, cfg, str(out), tokenizer=False)
+        V = int(cfg.model.vocab_size)
+        job = dict(greedy=[rng.integers(0, V, 2 + 2 * i).tolist() for i in range(8)], greedy_tokens=8,
+                   logprob_prompts=[rng.integers(0, V, 12).tolist() for _ in range(4)], logprobs=5,
+                   tensor_parallel_size=2)
+        (tmp_path / f"{arch}.json").write_text(json.dumps(job))
+        got = _run_check([(out, tmp_path / f"{arch}.json", tmp_path / f"{arch}.out.json")])[0]
+        assert got["tensor_parallel_size"] == 2
+        _check_greedy_and_logprobs(serving.Server(cfg, params, max_len=256), job, got, f"{arch}-twin tp2")
+
+
+def test_one_projection_benchmark_times_the_plugins_head(trained, tmp_path):
+    """`benchmarks/serve_bench.py --what=one_projection --quick` on the twin export: the head it
+    times is the plugin's (exact log-probs against float64, one-projection rows one table's
+    logits: the script fails otherwise), and every paired engine measured a decode step."""
+    _, _, export, _ = trained
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--what=one_projection", "--quick",
+                           f"--export={export}", f"--out_dir={out}", f"--vllm_python={_venv_python()}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    res = json.loads((out / "one_projection.json").read_text())
+    assert [r["batch"] for r in res["head"]] == [1, 2]
+    for r in res["head"]:
+        assert r["exact_max_err"] < 1e-4 and r["one_projection_max_err"] < 1e-4, r
+        assert sum(r["components_drawn"]) == r["batch"] and len(r["components_drawn"]) == 2
+        assert 0 < r["one_projection_head_ms"] and 0 < r["exact_head_ms"]
+    assert [e["engine"] for e in res["engines"]] == ["vllm", "vllm_one"]
+    assert all(e["decode_ms_per_step"] > 0 and not e["error"] for e in res["engines"]), res["engines"]
+    assert res["step_ratio"] > 0 and res["predicted_ratio"] > 0
+    # the bytes model at batch 1: (trunk + 2 tables) / (trunk + 1 table) plus the KV cache, above 1
+    assert 1 < res["bytes_model_ratio"] < 2
+    assert "Decode step: exact" in (out / "one_projection.md").read_text()

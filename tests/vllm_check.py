@@ -4,7 +4,8 @@
 
 JOB: {"greedy": [prompts], "greedy_tokens": n, "logprob_prompts": [prompts], "logprobs": k,
       "draw_prompts": [prompts], "draws": per prompt, "n": draws per request}  (no draw_prompts:
-      greedy and prompt logprobs only; {"refused_start": true}: the error starting the engine)
+      greedy and prompt logprobs only; {"refused_start": true}: the error starting the engine;
+      "tensor_parallel_size": N: that many vLLM workers, each on its own cores)
 OUT: {"architecture", "greedy": [tokens], "prompt_logprobs": [[{token: logprob}, ...]],
       "mixture_draws": [[token, ...] per draw prompt], "one_projection_draws": [...],
       "refused": message, "no_check": message, "seconds": {...}} or {"start_error": message}
@@ -24,9 +25,15 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: seconds
 CHECK = "onona_jax.serve.vllm:OneProjectionRequests"
 
 
-def engine(folder, **kw):
+def engine(folder, tensor_parallel_size=1, **kw):
     from vllm import LLM
 
+    if tensor_parallel_size > 1:  # the workers in processes of their own, each bound to its share of the cores
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // tensor_parallel_size)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[r * per:(r + 1) * per] or cores[-1:])) for r in range(tensor_parallel_size))
+        kw.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
     return LLM(folder, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
                kv_cache_memory_bytes=256 << 20, max_model_len=256, max_num_seqs=256,
                max_num_batched_tokens=4096, **kw)
@@ -59,8 +66,9 @@ def main(folder, job_file, out_file):
         with open(out_file, "w") as f:
             json.dump(result, f)
         return
-    llm = engine(folder)
+    llm = engine(folder, job.get("tensor_parallel_size", 1))
     result["architecture"] = llm.llm_engine.model_config.architecture
+    result["tensor_parallel_size"] = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
     seconds["start"] = time.perf_counter() - t
 
     t = time.perf_counter()
