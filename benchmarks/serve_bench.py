@@ -683,7 +683,7 @@ def write(res, out_dir):
 
 
 def define_engines(fv, argv):
-    quick = any(a in ("--quick", "--quick=true", "--quick=True", "--quick=1") for a in argv)
+    quick = _quick_asked(argv)
     flags.DEFINE_bool("quick", False, f"smoke run: {QUICK_CONFIG.split(':')[1]} by default, batches 1,2, 16 tokens in, "
                       "8 out, 1 repeat, 4 online requests to vllm and tserve (flags given explicitly win)",
                       flag_values=fv)
@@ -730,15 +730,30 @@ def _given(argv, name):
     return any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv)
 
 
+def _quick_asked(argv) -> bool:
+    return any(a in ("--quick", "--quick=true", "--quick=True", "--quick=1") for a in argv)
+
+
+def _quick_defaults(fv, argv, quick: dict) -> None:
+    """--quick's values for the flags not given explicitly (a comma-separated one as a list flag's)."""
+    for k, v in quick.items():
+        if not _given(argv, k):
+            setattr(fv, k, v.split(",") if isinstance(fv[k].value, list) else v)
+
+
+def kv_bytes_per_token(hf: dict, bytes_per: int) -> int:
+    """The KV cache's bytes a token, from an export's config.json."""
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    return int(hf["num_hidden_layers"]) * 2 * int(hf["num_key_value_heads"]) * head_dim * bytes_per
+
+
 def main_engines(fv, rest, argv):
     import numpy as np
 
     if rest:
         raise cli.UsageError(f"unexpected arguments {rest}")
     if fv.quick:
-        for k, v in QUICK.items():
-            if not _given(argv, k):
-                setattr(fv, k, v.split(",") if k in ("batches", "online") else v)
+        _quick_defaults(fv, argv, QUICK)
         if not _given(argv, "tserve_start_timeout_s"):
             fv.tserve_start_timeout_s = 120.0
         if not _given(argv, "tserve_timeout_s"):
@@ -784,8 +799,7 @@ def main_engines(fv, rest, argv):
     engines = [e for e in ENGINES if e in fv.engines and (gated or e not in ONE)]
     online = [e for e in ("vllm", "vllm_one", "tserve") if e in fv.online and (gated or e != "vllm_one")]
     max_model_len = fv.prompt_len + fv.new_tokens
-    kv_per_token = int(hf["num_hidden_layers"]) * 2 * int(hf["num_key_value_heads"]) * int(
-        hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])) * (4 if fv.dtype == "float32" else 2)
+    kv_per_token = kv_bytes_per_token(hf, 4 if fv.dtype == "float32" else 2)
 
     def kv_bytes(seqs):  # every sequence at full length, blocks rounded up, plus slack
         return max(64 << 20, int(1.25 * kv_per_token * seqs * (max_model_len + 128)))
@@ -904,7 +918,7 @@ ONE_QUICK = dict(head_batches="1,2", head_calls=10, pairs=1, calls=1, prompt_len
 
 
 def define_one_projection(fv, argv):
-    quick = any(a in ("--quick", "--quick=true", "--quick=True", "--quick=1") for a in argv)
+    quick = _quick_asked(argv)
     flags.DEFINE_bool("quick", False, f"smoke run: {QUICK_CONFIG.split(':')[1]} by default, head batches 1,2 of 10 "
                       "calls, one pair of engines, 16 tokens in, 8 out, 1 call (flags given explicitly win)",
                       flag_values=fv)
@@ -935,9 +949,7 @@ def main_one_projection(fv, rest, argv):
     if rest:
         raise cli.UsageError(f"unexpected arguments {rest}")
     if fv.quick:
-        for k, v in ONE_QUICK.items():
-            if not _given(argv, k):
-                setattr(fv, k, v.split(",") if k == "head_batches" else v)
+        _quick_defaults(fv, argv, ONE_QUICK)
     try:
         head_batches = sorted({int(b) for b in fv.head_batches})
         one_overrides = json.loads(fv.vllm_one_overrides)
@@ -990,8 +1002,7 @@ def main_one_projection(fv, rest, argv):
 
     prompt = np.random.default_rng(fv.seed).integers(0, min(int(hf["vocab_size"]), VOCAB_TEXT), fv.prompt_len).tolist()
     max_model_len = fv.prompt_len + fv.new_tokens
-    kv = int(hf["num_hidden_layers"]) * 2 * int(hf["num_key_value_heads"]) * int(
-        hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])) * 4 * (max_model_len + 128)
+    kv = kv_bytes_per_token(hf, 4) * (max_model_len + 128)
     base = dict(job="offline", export=export, prompts=[prompt], batches=[1], modes=["sample"], new_tokens=fv.new_tokens,
                 repeats=fv.calls, prefill=True, seed=fv.seed, dtype="float32", max_model_len=max_model_len,
                 max_num_seqs=1, kv_cache_bytes=max(64 << 20, 2 * kv))
