@@ -161,6 +161,7 @@ MODES = ("greedy", "sample")
 # the engine arguments that offline vllm_one already exercises)
 QUICK = dict(batches="1,2", prompt_len=16, new_tokens=8, repeats=1, requests=4, online="vllm,tserve")
 OTHER_BUSY_LIMIT = 0.1  # cores' worth of other processes' CPU time during an engine's run that marks it unclean
+ONE_PROJECTION_CHECK = "onona_jax.serve.vllm:OneProjectionRequests"  # the mode's request check (a logits processor)
 VOCAB_TEXT = 50257  # token ids drawn below GPT-2's entries (the table's padding rows never occur in data)
 
 
@@ -670,13 +671,18 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(res, out_dir: str, name: str, text: str) -> None:
+    """OUT_DIR/<name>.json (res) and <name>.md (text), rewritten after every engine."""
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+
+
 def write(res, out_dir):
     res["machine"] = common.record()
     res["summary"] = summarize(res)
-    with open(os.path.join(out_dir, "serve_bench.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    with open(os.path.join(out_dir, "serve_bench.md"), "w") as f:
-        f.write(markdown(res))
+    write_report(res, out_dir, "serve_bench", markdown(res))
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -719,7 +725,7 @@ def define_engines(fv, argv):
     flags.DEFINE_float("tserve_timeout_s", 3600.0, "how long its online run may take", flag_values=fv)
     flags.DEFINE_string("vllm_one_overrides", '{"one_projection": true}', "hf_overrides (JSON) of one-projection mode",
                         flag_values=fv)
-    flags.DEFINE_list("vllm_one_logits_processors", ["onona_jax.serve.vllm:OneProjectionRequests"],
+    flags.DEFINE_list("vllm_one_logits_processors", [ONE_PROJECTION_CHECK],
                       "logits_processors of one-projection mode", flag_values=fv)
     flags.DEFINE_float("worker_timeout_s", 0.0, "kill an engine's process after this long (0: never)", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "prompts, arrivals and sampling", flag_values=fv)
@@ -739,6 +745,28 @@ def _quick_defaults(fv, argv, quick: dict) -> None:
     for k, v in quick.items():
         if not _given(argv, k):
             setattr(fv, k, v.split(",") if isinstance(fv[k].value, list) else v)
+
+
+def vllm_offline_env() -> dict:
+    """The environment of a vLLM worker process: its engine in-process, JAX's platform not forced."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def one_projection_spec(overrides: dict, logits_processors) -> dict:
+    """A vLLM worker spec's keys for one-projection mode."""
+    return dict(one_projection=True, one_projection_overrides=overrides,
+                one_projection_logits_processors=list(logits_processors))
+
+
+def export_gate_mean(export: str, hf: dict) -> float:
+    """ḡ: the mean over the vocabulary of the gate's first weight, read from the export."""
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(export, "model.safetensors"), "np") as st:
+        return float(np.exp(st.get_tensor(hf["head_log_weights"])[:, 0]).mean())
 
 
 def kv_bytes_per_token(hf: dict, bytes_per: int) -> int:
@@ -812,10 +840,7 @@ def main_engines(fv, rest, argv):
                offline=[], online=[], engine_info={}, engine_errors={}, machine=common.record())
     if gated:
         try:
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(export, "model.safetensors"), "np") as st:
-                res["gate_mean"] = float(np.exp(st.get_tensor(hf["head_log_weights"])[:, 0]).mean())
+            res["gate_mean"] = export_gate_mean(export, hf)
         except Exception as err:  # noqa: BLE001 (the JAX worker reports it too)
             log(f"could not read the gate from the export ({err}); the model assumes ḡ = 0.5")
             res["gate_mean"] = 0.5
@@ -824,10 +849,8 @@ def main_engines(fv, rest, argv):
     timeout = fv.worker_timeout_s or None
     base = dict(export=export, workdir=workdir, prompts=prompts, batches=batches, new_tokens=fv.new_tokens,
                 repeats=fv.repeats, prefill=fv.prefill, seed=fv.seed, dtype=fv.dtype)
-    vllm_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
-    vllm_env.pop("JAX_PLATFORMS", None)
-    vllm_one = dict(one_projection=True, one_projection_overrides=one_overrides,
-                    one_projection_logits_processors=fv.vllm_one_logits_processors)
+    vllm_env = vllm_offline_env()
+    vllm_one = one_projection_spec(one_overrides, fv.vllm_one_logits_processors)
     py_worker = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import serve_bench; "
                  "sys.exit(serve_bench.worker(sys.argv[1]))"]
 
@@ -975,19 +998,15 @@ def main_one_projection(fv, rest, argv):
     if not (hf.get("head_log_weights") and len(hf.get("head_outputs") or ()) >= 2):
         raise cli.UsageError(f"{export} has no gated head (head_log_weights): one-projection needs a twin (or another "
                              "gated) export")
-    from safetensors import safe_open
-
     from onona_jax.checkpoint import saved_config
 
-    with safe_open(os.path.join(export, "model.safetensors"), "np") as st:
-        gate_mean = float(np.exp(st.get_tensor(hf["head_log_weights"])[:, 0]).mean())
+    gate_mean = export_gate_mean(export, hf)
     saved = saved_config(workdir)
     res = dict(command="python benchmarks/serve_bench.py " + " ".join(argv), config=saved.get("name") or cfg.name,
                export=export, dtype="float32", head_batches=head_batches, pairs=fv.pairs, calls=fv.calls,
                prompt_len=fv.prompt_len, new_tokens=fv.new_tokens, gate_mean=gate_mean, machine=common.record(),
                engines=[])
-    vllm_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
-    vllm_env.pop("JAX_PLATFORMS", None)
+    vllm_env = vllm_offline_env()
     timeout = fv.worker_timeout_s or None
     cmd = [fv.vllm_python, str(VLLM_HELPER)]
 
@@ -1006,8 +1025,7 @@ def main_one_projection(fv, rest, argv):
     base = dict(job="offline", export=export, prompts=[prompt], batches=[1], modes=["sample"], new_tokens=fv.new_tokens,
                 repeats=fv.calls, prefill=True, seed=fv.seed, dtype="float32", max_model_len=max_model_len,
                 max_num_seqs=1, kv_cache_bytes=max(64 << 20, 2 * kv))
-    one = dict(one_projection=True, one_projection_overrides=one_overrides,
-               one_projection_logits_processors=["onona_jax.serve.vllm:OneProjectionRequests"])
+    one = one_projection_spec(one_overrides, [ONE_PROJECTION_CHECK])
     for i in range(fv.pairs):
         for name in ("vllm", "vllm_one"):
             log(f"pair {i + 1}/{fv.pairs}: {name}")
@@ -1087,10 +1105,7 @@ def markdown_one(res) -> str:
 
 
 def write_one(res, out_dir):
-    with open(os.path.join(out_dir, "one_projection.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(out_dir, "one_projection.md"), "w") as f:
-        f.write(markdown_one(res))
+    write_report(res, out_dir, "one_projection", markdown_one(res))
 
 
 # ----------------------------------------------------------------------------- --what=memory

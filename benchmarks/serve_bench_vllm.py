@@ -337,17 +337,20 @@ def head(spec, res):
     columns = head_lib.id_columns(V)
     handlers = [ops.create_onednn_mm(t.t(), 32) for t in tables]  # as vLLM's CPU linear prepacks a weight
 
-    # a stand-in for the module: the plugin's own compute_logits over vLLM's CPU projection
-    model = types.SimpleNamespace(
-        columns=columns, hidden_size=d, vocab_size=V, log_weights=tensors[cfg["head_log_weights"]].float(),
-        tables=list(range(len(tables))), score=cfg.get("head_score") or "", mos=False, one_projection=False,
-        _generator=None, seed=int(spec["seed"]),
-        logits_processor=lambda k, h: ops.onednn_mm(handlers[k], h, None))
-    model._split = lambda hs: OnonaForCausalLM._split(model, hs)
-    model._one_projection_logits = lambda h, lw: OnonaForCausalLM._one_projection_logits(model, h, lw)
-    one = types.SimpleNamespace(**{**vars(model), "one_projection": True})
-    one._split = lambda hs: OnonaForCausalLM._split(one, hs)
-    one._one_projection_logits = lambda h, lw: OnonaForCausalLM._one_projection_logits(one, h, lw)
+    log_weights_table = tensors[cfg["head_log_weights"]].float()
+
+    def stand_in(one_projection: bool):
+        """A stand-in for the module: the plugin's own compute_logits over vLLM's CPU projection."""
+        m = types.SimpleNamespace(
+            columns=columns, hidden_size=d, vocab_size=V, log_weights=log_weights_table,
+            tables=list(range(len(tables))), score=cfg.get("head_score") or "", mos=False,
+            one_projection=one_projection, _generator=None, seed=int(spec["seed"]),
+            logits_processor=lambda k, h: ops.onednn_mm(handlers[k], h, None))
+        m._split = lambda hs: OnonaForCausalLM._split(m, hs)
+        m._one_projection_logits = lambda h, lw: OnonaForCausalLM._one_projection_logits(m, h, lw)
+        return m
+
+    model, one = stand_in(False), stand_in(True)
     res["info"] = dict(vocab=V, d=d, tables=len(tables), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                        projection="vllm._custom_ops.onednn_mm (prepacked, as ParallelLMHead on a CPU)")
 

@@ -100,7 +100,6 @@ class _Sigint:
         self.stops: list[GracefulStop] = []  # registered graceful stops, innermost last
         self.exiting = threading.Lock()
         self.pipe = None  # (read fd, write fd) of set_wakeup_fd, made once per process
-        self.previous_hook = sys.unraisablehook
         self.redelivered = 0  # the first SIGINT delivered again (`_unraisable`): not a second one
         self.pending = 0  # of those, the ones the handler has not run for yet
 
@@ -158,7 +157,10 @@ def _unraisable(unraisable):
         except OSError:
             pass
         return
-    _SIGINT.previous_hook(unraisable)
+    _unraisable.previous(unraisable)
+
+
+_unraisable.previous = sys.unraisablehook  # the hook it calls: set where `_sigint_handling` installs it
 
 
 def _in_chain(hook, target) -> bool:
@@ -220,8 +222,7 @@ def _sigint_handling():
     # read's filter), installed again on top, would chain to itself in a circle.
     installed = not _in_chain(sys.unraisablehook, _unraisable)
     if installed:
-        _SIGINT.previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
-        _unraisable.previous = _SIGINT.previous_hook
+        _unraisable.previous, sys.unraisablehook = sys.unraisablehook, _unraisable
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         previous_fd = signal.set_wakeup_fd(_SIGINT.pipe[1], warn_on_full_buffer=False)
@@ -236,7 +237,7 @@ def _sigint_handling():
             signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGINT, previous)
         if installed and sys.unraisablehook is _unraisable:  # (else another hook chained to it since: left)
-            sys.unraisablehook = _SIGINT.previous_hook
+            sys.unraisablehook = _unraisable.previous
 
 
 @contextlib.contextmanager

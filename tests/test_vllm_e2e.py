@@ -221,6 +221,24 @@ def test_vllm_serves_the_twin_export_exactly(trained, tmp_path):
 OTHER_EXPORTS = [("moe", "twin"), ("dense", "mos"), ("dense", "sigsoftmax"), ("gdn", "twin")]
 
 
+def _noisy_export(tmp_path, arch, head, rng, n_kv_heads=1, **job):
+    """(cfg, params, export folder, job file, out file, job): a tiny model with head_dim 64 and
+    noisy untrained parameters (logits of order one), GPT-2's vocabulary, exported; its job:
+    greedy (8 prompts × 8 tokens) and prompt logprobs (4 prompts × 12 tokens, top 5)."""
+    cfg = tiny_config(str(tmp_path / "no-data"), head=head, arch=arch)
+    cfg.model.update(n_heads=2, n_kv_heads=n_kv_heads, head_dim=64)
+    cfg = config_lib.validate(cfg)
+    params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32),
+                          model_lib.init(cfg.model, 0)[1])
+    out = tmp_path / f"{arch}-{head}"
+    hf_format.export(params, cfg, str(out), tokenizer=False)
+    V = int(cfg.model.vocab_size)
+    job = dict(greedy=[rng.integers(0, V, 2 + 2 * i).tolist() for i in range(8)], greedy_tokens=8,
+               logprob_prompts=[rng.integers(0, V, 12).tolist() for _ in range(4)], logprobs=5, **job)
+    (tmp_path / f"{arch}-{head}.json").write_text(json.dumps(job))
+    return cfg, params, out, tmp_path / f"{arch}-{head}.json", tmp_path / f"{arch}-{head}.out.json", job
+
+
 def test_vllm_serves_moe_mos_and_sigsoftmax_and_refuses_gdn(tmp_path):
     """Other exports in one vLLM process, noisy untrained parameters (logits of order one),
     GPT-2's 50,304-entry vocabulary: MoE twin (vLLM's fused experts), dense MoS (the prior
@@ -230,19 +248,8 @@ def test_vllm_serves_moe_mos_and_sigsoftmax_and_refuses_gdn(tmp_path):
     rng = np.random.default_rng(0)
     runs, made = [], []
     for arch, head in OTHER_EXPORTS:
-        cfg = tiny_config(str(tmp_path / "no-data"), head=head, arch=arch)
-        cfg.model.update(n_heads=2, n_kv_heads=1, head_dim=64)
-        cfg = config_lib.validate(cfg)
-        params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32),
-                              model_lib.init(cfg.model, 0)[1])
-        out = tmp_path / f"{arch}-{head}"
-        hf_format.export(params, cfg, str(out), tokenizer=False)
-        V = int(cfg.model.vocab_size)
-        job = dict(greedy=[rng.integers(0, V, 2 + 2 * i).tolist() for i in range(8)], greedy_tokens=8,
-                   logprob_prompts=[rng.integers(0, V, 12).tolist() for _ in range(4)], logprobs=5,
-                   refused_start=arch == "gdn")
-        (tmp_path / f"{arch}-{head}.json").write_text(json.dumps(job))
-        runs.append((out, tmp_path / f"{arch}-{head}.json", tmp_path / f"{arch}-{head}.out.json"))
+        cfg, params, out, job_file, out_file, job = _noisy_export(tmp_path, arch, head, rng, refused_start=arch == "gdn")
+        runs.append((out, job_file, out_file))
         made.append((cfg, params, job))
     for (cfg, params, job), got, (arch, head) in zip(made, _run_check(runs), OTHER_EXPORTS):
         if job["refused_start"]:
@@ -259,19 +266,9 @@ def test_vllm_tensor_parallel_serves_the_twin_exactly(tmp_path):
     attention splits too) give our Server's greedy tokens and prompt logprobs (1e-4)."""
     rng = np.random.default_rng(1)
     for arch in ("dense", "moe"):
-        cfg = tiny_config(str(tmp_path / "no-data"), head="twin", arch=arch)
-        cfg.model.update(n_heads=2, n_kv_heads=2, head_dim=64)
-        cfg = config_lib.validate(cfg)
-        params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32),
-                              model_lib.init(cfg.model, 0)[1])
-        out = tmp_path / arch
-        hf_format.export(params, cfg, str(out), tokenizer=False)
-        V = int(cfg.model.vocab_size)
-        job = dict(greedy=[rng.integers(0, V, 2 + 2 * i).tolist() for i in range(8)], greedy_tokens=8,
-                   logprob_prompts=[rng.integers(0, V, 12).tolist() for _ in range(4)], logprobs=5,
-                   tensor_parallel_size=2)
-        (tmp_path / f"{arch}.json").write_text(json.dumps(job))
-        got = _run_check([(out, tmp_path / f"{arch}.json", tmp_path / f"{arch}.out.json")])[0]
+        cfg, params, out, job_file, out_file, job = _noisy_export(tmp_path, arch, "twin", rng, n_kv_heads=2,
+                                                                   tensor_parallel_size=2)
+        got = _run_check([(out, job_file, out_file)])[0]
         assert got["tensor_parallel_size"] == 2
         _check_greedy_and_logprobs(serving.Server(cfg, params, max_len=256), job, got, f"{arch}-twin tp2")
 
