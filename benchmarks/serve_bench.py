@@ -985,6 +985,8 @@ def main_one_projection(fv, rest, argv):
     if not os.path.exists(fv.vllm_python):
         raise cli.UsageError(f"--vllm_python={fv.vllm_python} does not exist: build the venv with "
                              "`bash scripts/vllm_env.sh /tmp/vllm-venv`")
+    if fv.export and os.path.exists(os.path.join(fv.export, "config.json")):
+        gated_export(fv.export)  # a given export is refused before anything is written
     cfg = config_lib.validate(fv.config)
     out_dir = fv.out_dir or os.path.join(REPO, "runs", "serve_bench", cfg.name + ("-quick" if fv.quick else ""))
     os.makedirs(out_dir, exist_ok=True)
@@ -993,11 +995,7 @@ def main_one_projection(fv, rest, argv):
     if not fv.workdir and not fv.export:
         cfg.model.dtype = "float32"  # a fresh checkpoint's export holds fp32, as the engines mode's
     workdir, export = prepare(fv, cfg, out_dir, log)
-    with open(os.path.join(export, "config.json")) as f:
-        hf = json.load(f)
-    if not (hf.get("head_log_weights") and len(hf.get("head_outputs") or ()) >= 2):
-        raise cli.UsageError(f"{export} has no gated head (head_log_weights): one-projection needs a twin (or another "
-                             "gated) export")
+    hf = gated_export(export)
     from onona_jax.checkpoint import saved_config
 
     gate_mean = export_gate_mean(export, hf)
@@ -1049,6 +1047,16 @@ def main_one_projection(fv, rest, argv):
         raise cli.Failure(f"the timed head's log-probs differ from float64 by more than {HEAD_TOL} at batch "
                           f"{wrong}: the figures time something else than the plugin's head")
     return 0
+
+
+def gated_export(export: str) -> dict:
+    """The export's config.json, where its head is gated (a gate lookup over two or more tables)."""
+    with open(os.path.join(export, "config.json")) as f:
+        hf = json.load(f)
+    if not (hf.get("head_log_weights") and len(hf.get("head_outputs") or ()) >= 2):
+        raise cli.UsageError(f"{export} has no gated head (head_log_weights): one-projection needs a twin (or another "
+                             "gated) export")
+    return hf
 
 
 def one_projection_summary(res, cfg_model) -> dict:

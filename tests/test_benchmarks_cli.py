@@ -86,3 +86,21 @@ def test_parts_checks_values_against_pytorch_and_refuses_bad_tiles(capsys):
     assert "ours: clip_by_global_norm + optax.adamw" in out and "3 fusions write a table" in out
     assert "4 fusions write a table" in out
     assert _error(capsys, peer, "--what=parts", "--tiles=0") == "error: --reps and every --tiles entry must be ≥ 1"
+
+
+def test_one_projection_refuses_an_ungated_export_before_writing(capsys, tmp_path):
+    """serve_bench's one_projection mode on a standard-head export: one error line naming what it
+    needs, and its --out_dir never made."""
+    import serve_bench
+
+    from conftest import tiny_config
+    from onona_jax import config as config_lib
+    from onona_jax import models as model_lib
+    from onona_jax.serve import hf_format
+
+    cfg = config_lib.validate(tiny_config(str(tmp_path / "no-data"), head="standard", arch="dense"))
+    hf_format.export(model_lib.init(cfg.model, 0)[1], cfg, str(tmp_path / "export"), tokenizer=False)
+    err = _error(capsys, serve_bench, "--what=one_projection", f"--export={tmp_path / 'export'}",
+                 f"--out_dir={tmp_path / 'out'}", f"--vllm_python={sys.executable}")
+    assert "has no gated head" in err and "needs a twin (or another gated) export" in err
+    assert not (tmp_path / "out").exists()
