@@ -24,7 +24,7 @@ from test_data import make_docs, read_split, split_docs
 
 from onona_jax.data import storage, train_batches, validation_windows
 from onona_jax.data import prepare as prepare_mod
-from onona_jax.data import sources
+from onona_jax.data import readers
 from onona_jax.data.pipeline import TokenStore
 from onona_jax.data.prepare import heldout_mask, main, prepare
 from onona_jax.tokenizer import EOT, bundled_corpus_path, encode
@@ -181,14 +181,14 @@ def test_chunk_cuts_do_not_change_documents_or_line_numbers(tmp_path, monkeypatc
     assert len(ref) > 20
     for block in (5, 64, 1 << 20):
         monkeypatch.setattr(sources, "_BLOCK_BYTES", block)
-        assert list(sources.iter_documents(tmp_path / "a.txt")) == ref
+        assert list(readers.iter_documents(tmp_path / "a.txt")) == ref
     # jsonl: the line number of a bad line counts \r\n, \r and \n as text mode does.
     good = '{"text": "x"}'
     (tmp_path / "b.jsonl").write_bytes(f"{good}\r\n{good}\r{good}\n\n{good}\r\n{{bad\n".encode())
     for block in (3, 1 << 20):
         monkeypatch.setattr(sources, "_BLOCK_BYTES", block)
         with pytest.raises(ValueError, match=r"b\.jsonl:6: invalid JSON"):
-            list(sources.iter_documents(tmp_path / "b.jsonl"))
+            list(readers.iter_documents(tmp_path / "b.jsonl"))
 
 
 # ---------------------------------------------------------------- bad inputs

@@ -20,7 +20,7 @@ it with --config.data.dir=DIR --config.data.tokenizer=DIR/tokenizer.json (docs/d
 
     python -m onona_jax.data.prepare --input onona_jax/assets/austen.txt.xz --output /tmp/bpe2k --train_tokenizer=2048
 
-Inputs (see onona_jax/data/sources.py): `.txt` files (documents separated by blank lines),
+Inputs (see onona_jax/data/readers.py): `.txt` files (documents separated by blank lines),
 `.jsonl` files (one document per line, in its `--text_column` field), both optionally
 `.xz`/`.gz`/`.bz2`/`.zst` compressed; `.parquet` and `.arrow` files (the `--text_column` column)
 and directories saved by `datasets`; a directory means every such file directly inside it, sorted.
@@ -59,7 +59,7 @@ from tqdm import tqdm
 
 from onona_jax import cli, paths, staging
 from onona_jax import tokenizer as tokenizer_lib
-from onona_jax.data.sources import (Chunk, Source, TokArgs, check_mode, encode_chunk, iter_chunks, iter_documents,
+from onona_jax.data.readers import (Chunk, Source, TokArgs, check_mode, encode_chunk, iter_chunks, iter_documents,
                                     resolve_inputs)
 
 __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
