@@ -43,9 +43,9 @@ QKV, OUTPUT = "qkv", "attention"
 # sequence (MaxText's default is 512 for both).
 SPLASH_BLOCKS = (512, 256, 128)
 # `xla` on CPU: query blocks of at least 64 rows, at most 16 of them (the ops of each block are
-# unrolled in the layer). At d 512 (T 256, 8 query / 4 KV heads of 64, batch 4) forward and
-# backward take 29.8 ms a layer in 4 blocks against 47.4 ms whole (PyTorch's SDPA: 31.0 ms;
-# benchmarks/peer.py --what=parts); the computed share of the square is (n + 1) / 2n for n blocks.
+# unrolled in the layer). The computed share of the square is (n + 1) / 2n for n blocks, which
+# at the d 512 step's shapes makes forward and backward faster than the whole square
+# (benchmarks/peer.py --what=parts; figures in docs/performance.md, "Figures").
 CPU_QUERY_BLOCK, CPU_QUERY_BLOCKS = 64, 16
 
 
@@ -98,7 +98,7 @@ def causal_attention(q, k, v, impl: str | None = "auto", segments=None):
 
 def _document_mask(segments):
     """bool [B, 1, T, T]: query and key of one document (shared by the heads); None without
-    segments, which is dot_product_attention's own default (the causal program unchanged)."""
+    segments, which is dot_product_attention's own default (the program is exactly the causal one)."""
     return None if segments is None else segments[:, None, :, None] == segments[:, None, None, :]
 
 
@@ -128,7 +128,7 @@ def _query_blocked(q, k, v, segments=None):
         mask = jnp.arange(a, b)[:, None] >= jnp.arange(b)[None, :]
         if segments is not None:  # [B, 1, b - a, b]: still only the keys [0, b) this block can see
             mask = mask & (segments[:, a:b, None] == segments[:, None, :b])
-        # (the mask is reshaped after the slices, as before segments: the None program is unchanged)
+        # (without segments: the block's causal mask alone, broadcast over B, so the program is the causal one)
         outs.append(jax.nn.dot_product_attention(q[:, a:b], k[:, :b], v[:, :b],
                                                  mask=mask[None, None] if segments is None else mask[:, None],
                                                  scale=scale, implementation="xla"))

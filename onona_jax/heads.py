@@ -175,7 +175,7 @@ def table_target_log_probs(h, tables, targets, z=None, loss: str = "plain", chun
 #                 gate lookup (log mixture weights per input token, or None) and the mixture
 #                 rule (`score`); None when the output needs more than one projection per
 #                 table (MoS), so serving evaluates `log_probs` instead
-#   upcycle(fresh, E)  its parameters started from a tied Standard checkpoint's table E
+#   upcycle(init_params, E)  its parameters started from a tied Standard checkpoint's table E
 #                 (a method: the base refuses; a table it leaves unfilled is an error)
 #   gate_reads    (symbol, definition) of the rows its gate reads, None without a gate
 #   gate_probs(tokens)  the gate's weights per input token (gate analysis)
@@ -302,23 +302,23 @@ class Head(nnx.Module):
         return {}
 
     @classmethod
-    def upcycle(cls, fresh: dict, E) -> dict:
-        """This head's parameters started from a tied Standard checkpoint: `fresh` is its own
-        initialised parameter dict, E [V, d] the Standard table. Runs abstractly first
+    def upcycle(cls, init_params: dict, E) -> dict:
+        """This head's parameters started from a tied Standard checkpoint: `init_params` is its
+        own initialised parameter dict, E [V, d] the Standard table. Runs abstractly first
         (`jax.eval_shape`), so a refusal comes before the checkpoint is read. The base
         refuses; heads that contain the Standard model override it with `fill_tables`."""
         raise CannotUpcycle(f"{cls.__name__} declares no upcycling (Head.upcycle)")
 
     @classmethod
-    def fill_tables(cls, fresh: dict, E, names) -> dict:
-        """`fresh` with each table in `names` set to E (a copy each: the train step donates
+    def fill_tables(cls, init_params: dict, E, names) -> dict:
+        """`init_params` with each table in `names` set to E (a copy each: the train step donates
         its inputs, and one buffer donated twice is freed twice); every table of the head
         must be among them, else an error naming the table left at its random init."""
         left = [t for t in cls.tables if t not in names]
         if left:
             raise CannotUpcycle(f"{cls.__name__}.upcycle leaves table(s) {', '.join(left)} at random init; "
                                 "fill every table from E (Head.fill_tables) or refuse upcycling")
-        return {**fresh, **{t: jnp.copy(E) for t in names}}
+        return {**init_params, **{t: jnp.copy(E) for t in names}}
 
 
 class StandardHead(Head):
@@ -359,10 +359,10 @@ class TwinHead(Head):
         return 2
 
     @classmethod
-    def upcycle(cls, fresh, E):
-        """A = B = E; the gate keeps its fresh init: while A = B every gate value gives the
+    def upcycle(cls, init_params, E):
+        """A = B = E; the gate keeps its initial value: while A = B every gate value gives the
         Standard model (SPEC §1, containment)."""
-        return cls.fill_tables(fresh, E, ("A", "B"))
+        return cls.fill_tables(init_params, E, ("A", "B"))
 
     def embed(self, tokens):
         # Gathering two rows is cheaper than forming M; (a+b)*0.5 is bitwise ((A+B)/2)[x].
@@ -504,8 +504,8 @@ class TwinInputOnlyHead(Head):
         self.B = _table(cfg, "B")
 
     @classmethod
-    def upcycle(cls, fresh, E):
-        return cls.fill_tables(fresh, E, ("A", "B"))
+    def upcycle(cls, init_params, E):
+        return cls.fill_tables(init_params, E, ("A", "B"))
 
     def embed(self, tokens):
         return (_rows(self.A[...], tokens) + _rows(self.B[...], tokens)) * 0.5

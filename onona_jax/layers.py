@@ -101,7 +101,7 @@ def _swiglu_bwd(res, dy):
         dg @ w_gate.T + du @ w_up.T,
         jnp.einsum("...d,...f->df", x, dg),
         jnp.einsum("...d,...f->df", x, du),
-        # (dyᵀ·hid)ᵀ, not hidᵀ·dy: the latter made XLA:CPU fuse the recompute of hid into a
+        # (dyᵀ·hid)ᵀ, not hidᵀ·dy: the latter makes XLA:CPU fuse the recompute of hid into a
         # strided transposing write (docs/notes/performance-log.md, "Later changes (2026-12-02)").
         jnp.einsum("...d,...f->df", dy, hid).T,
     )

@@ -48,12 +48,11 @@ from onona_jax import sharding
 
 F32 = jnp.float32
 SCORES = (None, "sigsoftmax")
-# Tokens per tile (per device), by platform (`resolve_token_tile`). Accelerators: 256 keeps the
-# twin/standard HBM ratio at 1.041 for 142M on v5e-16 (fsdp 16, micro-batch 4); 1,024 gave
-# 1.074 (docs/notes/scaling-log.md). CPU: memory is no constraint, and each tile's ∂T product writes the
-# whole [V, d] gradient, so short tiles are slow GEMMs: at d 512, V 50,304 on a Zen 1 host, 256
-# tokens took 220 ms (PyTorch 185), 512 took 335 (PyTorch 345); the whole loss for 1,024 tokens
-# 2.65 s in 256-token tiles, 2.24 s in 512, 2.26 s in 1,024 (benchmarks/peer.py --what=parts).
+# Tokens per tile (per device), by platform (`resolve_token_tile`). Accelerators: HBM decides, and
+# a short tile keeps the twin head's [tile, V] temporaries small beside the rest of the step
+# (docs/notes/scaling-log.md). CPU: memory is no constraint, and each tile's ∂T product writes the
+# whole [V, d] gradient, so short tiles are slow GEMMs; 512 was the fastest whole loss of the
+# tiles tried (benchmarks/peer.py --what=parts; figures in docs/notes/performance-log.md).
 ACCELERATOR_TOKEN_TILE = 256
 CPU_TOKEN_TILE = 512
 
@@ -135,8 +134,8 @@ def _tile_stats(hs, tables, lw, y, score, vocab):
         m = jnp.max(s, axis=-1)
         if vocab is not None:
             m = jax.lax.pmax(m, vocab)
-        # exp(s − m) once, as its own array: the gradient reuses it (p = e / Σe), and
-        # XLA:CPU otherwise fused the exp into a slow reduction (~60 ms a 256 × 50,304 tile).
+        # exp(s − m) once, as its own array: the gradient reuses it (p = e / Σe), and without
+        # the barrier XLA:CPU fuses the exp into a slow reduction (docs/notes/performance-log.md).
         e = jax.lax.optimization_barrier(jnp.exp(s - m[:, None]))
         se = jnp.sum(e, axis=-1)
         st = jnp.where(owned, jnp.take_along_axis(s, idx[:, None], axis=-1)[:, 0], 0.0)

@@ -201,9 +201,10 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules=RULES) -> NamedSharding:
 
 
 def loss_layout(mesh: Mesh, rules=RULES):
-    """(mesh, batch axes, vocab axis or None) for `loss.target_log_probs`: each device streams
-    its shard of the vocabulary (the `vocab` rule's axis, when it has more than one device)
-    for its rows of the batch. None on a one-device mesh: there are no collectives to run."""
+    """(mesh, batch axes, vocab axis or None) for the fused losses (`loss.mixture_nll`,
+    `loss_vocab.target_log_probs`): each device streams its shard of the vocabulary (the `vocab`
+    rule's axis, when it has more than one device) for its rows of the batch. None on a
+    one-device mesh: there are no collectives to run."""
     if mesh.size == 1:
         return None
     vocab = logical_to_mesh(P("vocab"), rules)[0]

@@ -353,7 +353,7 @@ def from_config(data) -> Tokenizer:
                 str(data.get("tokenizer_pattern", "") or ""), str(data.get("special_tokens", "") or ""))
 
 
-# ------------------------------------------------------------------ GPT-2, as before
+# ------------------------------------------------------------------ GPT-2 (the bundled default)
 
 
 def get_tokenizer():

@@ -52,8 +52,8 @@ class TripletHead(heads.Head):
         return 3
 
     @classmethod
-    def upcycle(cls, fresh, E):  # A = B = C = E: every gate value gives the Standard model
-        return cls.fill_tables(fresh, E, ("A", "B", "C"))
+    def upcycle(cls, init_params, E):  # A = B = C = E: every gate value gives the Standard model
+        return cls.fill_tables(init_params, E, ("A", "B", "C"))
 
     def _tables(self):
         return self.A[...], self.B[...], self.C[...]
@@ -213,18 +213,18 @@ def test_gate_analysis_names_a_three_way_gate(triplet_run):
 def test_upcycle_fills_every_table_and_refuses_one_left_out(tiny_data):
     """`TripletHead.upcycle` sets A = B = C = E and keeps the gate; a head that fills only A and
     B is refused before any checkpoint is read, naming C."""
-    fresh = {"A": np.zeros((4, 2), np.float32), "B": np.ones((4, 2), np.float32),
+    init_params = {"A": np.zeros((4, 2), np.float32), "B": np.ones((4, 2), np.float32),
              "C": np.ones((4, 2), np.float32), "gate": np.full((2, 3), 7.0, np.float32)}
     E = np.arange(8, dtype=np.float32).reshape(4, 2)
-    out = TripletHead.upcycle(fresh, jnp.asarray(E))
+    out = TripletHead.upcycle(init_params, jnp.asarray(E))
     for t in "ABC":
         np.testing.assert_array_equal(np.asarray(out[t]), E)
-    np.testing.assert_array_equal(out["gate"], fresh["gate"])
+    np.testing.assert_array_equal(out["gate"], init_params["gate"])
 
     class Forgetful(TripletHead):
         @classmethod
-        def upcycle(cls, fresh, E):
-            return cls.fill_tables(fresh, E, ("A", "B"))
+        def upcycle(cls, init_params, E):
+            return cls.fill_tables(init_params, E, ("A", "B"))
 
     heads.register("forgetful", Forgetful)
     try:

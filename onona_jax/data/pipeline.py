@@ -198,13 +198,13 @@ def validation_windows(data, seq_len: int, count: int, seed: int = 1234, *, cach
     source = data if isinstance(data, DataSource) else DataSource(data, cache_dir=cache_dir, bucket_read=bucket_read)
     if tokenizer is not None:
         source.check_tokenizer(tokenizer, trained=True)
-    held = WindowSource(source.store("heldout"), seq_len)
-    if len(held) < count:
-        raise ValueError(f"held-out split of {source.data_dir} has only {len(held)} windows of seq_len + 1 = "
+    heldout = WindowSource(source.store("heldout"), seq_len)
+    if len(heldout) < count:
+        raise ValueError(f"held-out split of {source.data_dir} has only {len(heldout)} windows of seq_len + 1 = "
                          f"{seq_len + 1} tokens but {count} were requested; lower the count (or seq_len) or "
                          "re-run prepare with a larger --heldout_fraction")
-    ids = np.sort(np.random.default_rng(seed).choice(len(held), count, replace=False))
-    return held.windows(ids)
+    ids = np.sort(np.random.default_rng(seed).choice(len(heldout), count, replace=False))
+    return heldout.windows(ids)
 
 
 def prepare_bundled(data_dir: str | Path, heldout_fraction: float = 0.02, tokenizer=None) -> str:

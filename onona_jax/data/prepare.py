@@ -65,7 +65,8 @@ from onona_jax.data.readers import (Chunk, Source, TokArgs, check_mode, encode_c
 __all__ = ["FORMAT_VERSION", "SPLITS", "heldout_mask", "iter_documents", "main", "prepare", "resolve_inputs",
            "sha256_file"]
 
-# Shards may carry "sha256"/"bytes" and "block_bytes"/"block_sha256" since 2026-12; readers of version 1 ignore them.
+# Shards may carry "sha256"/"bytes" and "block_bytes"/"block_sha256" (older manifests lack them); readers of
+# version 1 ignore them.
 FORMAT_VERSION = 1
 # Streaming reads (data.bucket_read="stream") fetch and verify whole blocks, so a block should be
 # small next to a training window's 2 * (seq_len + 1) bytes for a host to read little beyond its own
@@ -271,10 +272,10 @@ def _write_splits(tmp: Path, sources, is_heldout: Callable[[int, int], np.ndarra
                     capped = keep < len(lengths)
                     lengths, ends = lengths[:keep], ends[:keep]
                 n = int(ends[-1]) if len(ends) else 0  # tokens kept from this chunk
-                held = is_heldout(index, index + len(lengths))  # per document, then per token (vectorised)
-                docs_per_split["heldout"] += int(held.sum())
-                docs_per_split["train"] += len(lengths) - int(held.sum())
-                per_token = np.repeat(held, lengths)
+                heldout = is_heldout(index, index + len(lengths))  # per document, then per token (vectorised)
+                docs_per_split["heldout"] += int(heldout.sum())
+                docs_per_split["train"] += len(lengths) - int(heldout.sum())
+                per_token = np.repeat(heldout, lengths)
                 writers["train"].write(flat[:n][~per_token])
                 writers["heldout"].write(flat[:n][per_token])
                 index += len(lengths)
@@ -299,7 +300,7 @@ def _inside(a: str, b: str) -> bool:
     return a != b and a.startswith(b.rstrip("/") + "/")
 
 
-def check_apart(inputs: list[str], output: str) -> None:
+def check_output_outside_inputs(inputs: list[str], output: str) -> None:
     """Refuse an output that is an input, lies inside an input directory or holds an input
     (symlinks resolved), with or without --overwrite: writing it, or replacing it, would change
     or delete the corpus. Nothing is read or removed before this."""
@@ -374,14 +375,14 @@ def _bpe_library():
     return tokenizers
 
 
-def _split_texts(sources, text_column: str, held: Callable[[int], bool], seen: dict) -> Iterator[str]:
-    """The texts of the documents `held(index)` does not hold out, in input order; counts into `seen`
+def _split_texts(sources, text_column: str, is_heldout: Callable[[int], bool], seen: dict) -> Iterator[str]:
+    """The texts of the documents `is_heldout(index)` does not hold out, in input order; counts into `seen`
     every document ("total"), the training ones ("documents") and their UTF-8 "bytes"."""
     for src in sources:
         for text in iter_documents(src, text_column):
             i = seen["total"]
             seen["total"] += 1
-            if not held(i):
+            if not is_heldout(i):
                 seen["documents"] += 1
                 seen["bytes"] += len(text.encode("utf-8"))
                 yield text
@@ -488,7 +489,7 @@ def prepare(
     tok_args: TokArgs = (tokenizer or tokenizer_lib.DEFAULT, eot or "", tokenizer_pattern or "", special_tokens or "")
     if train_tokenizer:
         check_train_tokenizer(train_tokenizer, tok_args, tokens_column)
-    check_apart(inputs, output)
+    check_output_outside_inputs(inputs, output)
     # A trained tokenizer exists only later: until then, its shard dtype stands for it.
     tok = None if train_tokenizer else load_tokenizer(tok_args)
     if paths.is_cloud(output):
@@ -577,7 +578,8 @@ def prepare(
             "seed": seed,
             "shard_tokens": shard_tokens,
         }
-        # Recorded only when used, so that manifests of plain text inputs are as before.
+        # Recorded only when used: a plain-text input's manifest carries neither key, so its bytes (which
+        # identify the data) do not depend on these options.
         if tokens_column is not None:
             manifest["tokens_column"] = tokens_column
         elif text_column != "text" and any(s.kind != "txt" for s in sources):
@@ -703,7 +705,7 @@ def _main(fv, paths):
     except OSError as e:
         hint = "free space or choose another --output" if e.errno == errno.ENOSPC else "check the --output path"
         raise cli.Failure(f"cannot write {fv.output} ({e}); {hint}; nothing was written") from None
-    except _Interrupted:  # SIGTERM: exit 1, as before
+    except _Interrupted:  # SIGTERM: exit 1 (a cli.Failure)
         raise cli.Failure(f"interrupted; {fv.output} was not written (rerun the same command to start again)") from None
     except (cli.Interrupted, KeyboardInterrupt):  # SIGINT (`cli.run`): exit 130, the partial output removed
         raise cli.Interrupted(f"{fv.output} was not written (rerun the same command to start again)") from None

@@ -47,25 +47,27 @@ def check_tokenizer(data_dir, manifest: dict, data, trained: bool = False) -> No
     those keys): one ValueError naming both and the fixes (for a `trained` model, evaluated, only
     data of its own tokenizer will do). Before any shard is read."""
     tok = tokenizer_lib.from_config(data)
-    theirs = tokenizer_lib.manifest_identity(manifest)
-    if tokenizer_lib.same(theirs, tok.identity()):
+    data_identity = tokenizer_lib.manifest_identity(manifest)
+    if tokenizer_lib.same(data_identity, tok.identity()):
         return
-    ours = _settings(data)
-    recorded = theirs.get("config") or ({"tokenizer": tokenizer_lib.DEFAULT} if theirs.get("kind") == "gpt2" else {})
-    use_theirs = (f"set {_flags(recorded, '--config.data.')}" if recorded else
-                  "set --config.data.tokenizer to the tokenizer that made it")
+    run_settings = _settings(data)
+    recorded = data_identity.get("config") or (
+        {"tokenizer": tokenizer_lib.DEFAULT} if data_identity.get("kind") == "gpt2" else {})
+    use_data_tokenizer = (f"set {_flags(recorded, '--config.data.')}" if recorded else
+                          "set --config.data.tokenizer to the tokenizer that made it")
     if trained:
-        fix = (f"the model was trained with {ours['tokenizer']}: prepare its data.dir again with it, "
-               f"`python -m onona_jax.data.prepare {_flags(ours, '--')} --input <text files> --output {data_dir}`")
+        fix = (f"the model was trained with {run_settings['tokenizer']}: prepare its data.dir again with it, "
+               f"`python -m onona_jax.data.prepare {_flags(run_settings, '--')} --input <text files> "
+               f"--output {data_dir}`")
     elif tok.kind == "size":
         fix = (f"data.tokenizer={tok.spec} names a vocabulary size only (for planning), not a tokenizer data can be "
-               f"read with: {use_theirs}")
+               f"read with: {use_data_tokenizer}")
     else:
-        fix = (f"re-run `python -m onona_jax.data.prepare {_flags(ours, '--')} --input <text files> --output <dir>` "
-               f"and train on that, or {use_theirs}")
+        fix = (f"re-run `python -m onona_jax.data.prepare {_flags(run_settings, '--')} --input <text files> "
+               f"--output <dir>` and train on that, or {use_data_tokenizer}")
     raise ValueError(f"data dir {data_dir} was prepared with tokenizer {recorded.get('tokenizer', '?')} "
-                     f"({_describe(theirs)}); this run's data.tokenizer is {ours['tokenizer']} ({tok.describe()}): "
-                     f"{fix}")
+                     f"({_describe(data_identity)}); this run's data.tokenizer is {run_settings['tokenizer']} "
+                     f"({tok.describe()}): {fix}")
 
 
 class DataSource:

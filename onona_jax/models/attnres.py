@@ -42,7 +42,7 @@ reassociation. Differentiated through `lax.scan`, the carried buffer would be ke
 layer, O(L · (1 + ceil(2L/k))) sources; the scanned trunk's own backward pass
 (`_scanned_trained`) keeps the final buffer once and rebuilds each layer's input buffer from
 it, O(L) like the unscanned trunk, while compiling one layer (unscanned compiles 2L mixes of up
-to 2L+1 sources each: 94 s against 7 s of CPU for the 142M training step).
+to 2L+1 sources each, so its compile time grows quadratically with depth: docs/training.md).
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ def _runs(blocks) -> list[list]:
 def _apply_run(apply, run, x):
     """(x, aux) after the blocks of `run` in order. A run of several (the hybrid group's 3 GDN
     layers) is one inner scan over their weights stacked on the fly, so the compiler sees that
-    kind of layer's code once, not once per position: gdn-142m's step has 168 dots instead of
-    396 and compiles ~10% faster for the same values (docs/notes/scaling-log.md, "GDN's recurrence
+    kind of layer's code once, not once per position: fewer dots in the compiled step and a
+    shorter compile for the same values (docs/notes/scaling-log.md, "GDN's recurrence
     precision"); the stacking copies the run's weight shards once per step."""
     if len(run) == 1:
         return apply(run[0], x)

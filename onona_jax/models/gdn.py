@@ -143,10 +143,10 @@ def unit_lower_inverse(A, precision=DEFAULT_PRECISION):
     the blocks themselves (1 × 1 … P/2 × P/2) would be batches of tiny products, and exact, as
     the extra terms are products with exact zeros. log₂ P rounds, 4P³ log₂ P FLOPs; never waits
     on XLA's intra-op thread pool as a batched LAPACK trsm on CPU does (jaxlib 0.10 splits large
-    trsm batches over it and, on 2 cores, was seen to deadlock). Each D block is the exact
-    inverse of a principal block of I + A — the UT transform of a sub-chunk, bounded like the
-    recurrence — so no intermediate grows the way the power series Σ(−A)ᵏ's terms do
-    (binomially, for aligned keys).
+    trsm batches over it, which can deadlock a host with few cores: docs/notes/performance-log.md).
+    Each D block is the exact inverse of a principal block of I + A — the UT transform of a
+    sub-chunk, bounded like the recurrence — so no intermediate grows the way the power series
+    Σ(−A)ᵏ's terms do (binomially, for aligned keys).
 
     The gradient is the inverse's own, dA = −Tᵀ dT Tᵀ on the strictly lower triangle (two
     products; a custom VJP that keeps only T, not every round's D and L D for the backward)."""

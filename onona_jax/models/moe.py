@@ -103,7 +103,8 @@ def config_problems(cfg_model) -> list[str]:
 def resolve_dispatch(name: str) -> str:
     """The dispatch `name` means under the active mesh: `auto` is grouped on TPU and GPU
     (native grouped matmuls) and under expert parallelism, sort on CPU (whose ragged_dot
-    computes every group densely, ~4x slower: benchmarks/bench.py --what=moe). Only grouped moves
+    computes every group densely, several times slower: benchmarks/bench.py --what=moe,
+    docs/notes/scaling-log.md). Only grouped moves
     tokens to experts on other devices: sort or dense with mesh.expert > 1 is an error."""
     ep = expert_parallelism()
     if name == "auto":
@@ -151,7 +152,7 @@ def route(x, router, top_k: int, renormalize: bool):
 
 def _top_k(probs, k: int):
     """top_k over the experts on each device's rows of the batch (a shard_map under a mesh):
-    left to the partitioner, every row's router probabilities were gathered onto every device."""
+    left to the partitioner, every row's router probabilities would be gathered onto every device."""
     fn = lambda p: tuple(jax.lax.top_k(p, k))  # noqa: E731
     active = sharding.active()
     if active is None or active[0].size == 1:

@@ -36,7 +36,7 @@ def resolve(cfg) -> dict:
                                     data_key="train.task_data", dir_key="train.task_data_dir")
     for name, path in files.items():
         try:
-            tasks_lib.check(name, path)
+            tasks_lib.validate_data(name, path)
         except (ValueError, OSError) as err:
             raise ValueError(f"train.tasks: {name} cannot read {path} ({err}); fix the file or point "
                              f"train.task_data={name}=PATH at another") from None

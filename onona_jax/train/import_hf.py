@@ -79,7 +79,7 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
     refuse_a_used_workdir()
     params = hf_format.from_hf(hf_format.read_weights(path), cfg.model)  # every name and shape checked before any write
     run = setup(cfg, devices)
-    fresh = not paths.is_cloud(workdir) and not os.path.isdir(workdir)
+    new_workdir = not paths.is_cloud(workdir) and not os.path.isdir(workdir)
     # From the lock on, a Ctrl-C lets the writes below finish, then undoes them (`_undo`): never cut inside one.
     with cli.graceful_stop() as stop, WorkdirLock(workdir):  # a writer like train.py: refused (exit 2, nothing
         refuse_a_used_workdir()  # written) while one runs; again, now that no other writer can start meanwhile
@@ -107,7 +107,7 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
         if stop.requested:
             _undo(workdir, before)
     if stop.requested:
-        if fresh:
+        if new_workdir:
             try:
                 os.rmdir(workdir)  # (only if empty)
             except OSError:

@@ -56,11 +56,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     optax.clip_by_global_norm computes `select(‖g‖ < max_norm, g, g / ‖g‖ · max_norm)`. XLA counts
     an elementwise divide as expensive, so it computes that quotient once into a buffer of
-    its own for the two moment updates: an extra read and write of every gradient a step (on
-    a 2-core CPU, 93.5 ms instead of 64.2 ms for a [50,304, 512] table's whole update;
-    `benchmarks/peer.py --what=parts`, docs/notes/performance-log.md). A scalar factor fuses into both. Unclipped
-    gradients are unchanged (× 1.0); clipped ones differ from optax's in the last bit. Its
-    state is optax's (EmptyState), so the optimizer state and checkpoints keep their structure."""
+    its own for the two moment updates: an extra read and write of every gradient a step
+    (`benchmarks/peer.py --what=parts`; figures in docs/performance.md). A scalar factor fuses
+    into both. Unclipped gradients are unchanged (× 1.0); clipped ones differ from optax's in
+    the last bit. Its state is optax's (EmptyState), so the optimizer state and checkpoints
+    keep their structure."""
 
     def update(updates, state, params=None):
         del params

@@ -95,5 +95,6 @@ def make_train_step(run: Run):
 
 
 def global_batch(run: Run, local: np.ndarray) -> jax.Array:
-    """This process's rows of the global batch -> one global array sharded over data×fsdp."""
+    """This process's rows of the global batch -> one global array, its rows split over the batch
+    axes (`sharding.batch_axes`: data, fsdp and expert)."""
     return jax.make_array_from_process_local_data(run.batch_sharding, local)

@@ -1,7 +1,7 @@
 """Upcycling (SPEC §1, containment): start a model from a tied Standard run.
 
 The body is copied and the head's parameters come from its own `Head.upcycle` (twin: A = B
-= E, the gate at its fresh init, since while A = B every gate value gives the Standard
+= E, the gate at its initial value, since while A = B every gate value gives the Standard
 model). A head that does not upcycle, or leaves a table unfilled, is refused before the
 checkpoint is read: the head's method runs abstractly first.
 """
@@ -18,13 +18,13 @@ from onona_jax.checkpoint import restore_params
 
 def upcycle(run, state, source: str):
     """Start a model from a tied Standard checkpoint (`source`, its latest step): the body
-    copied, the head from `Head.upcycle(fresh head, E)`."""
+    copied, the head from `Head.upcycle(initialised head, E)`."""
     head = run.cfg.model.head
     cls = heads_lib.head_class(head)
-    fresh_shapes = dict(run.abstract_params["head"])
+    init_shapes = dict(run.abstract_params["head"])
     V, d = int(run.cfg.model.vocab_size), int(run.cfg.model.d_model)
     try:  # the head's own rule, abstractly: refused before anything is read
-        jax.eval_shape(cls.upcycle, fresh_shapes, jax.ShapeDtypeStruct((V, d), jax.numpy.float32))
+        jax.eval_shape(cls.upcycle, init_shapes, jax.ShapeDtypeStruct((V, d), jax.numpy.float32))
     except heads_lib.CannotUpcycle as err:
         takes = [n for n, c in heads_lib.HEADS.items() if c.upcycle is not heads_lib.Head.upcycle]
         raise ValueError(

@@ -83,7 +83,7 @@ def resolve_paths(names, task_data: dict | None = None, data_dir: str | None = N
     return out
 
 
-def check(name: str, path: str) -> None:
+def validate_data(name: str, path: str) -> None:
     """Read task `name`'s data at `path` as scoring will (its records, their fields), scoring
     nothing: a bad file is found before a training run starts, not at its first scoring."""
     if name == "wikitext2":

@@ -25,11 +25,9 @@ softmax(h T_kᵀ) after k ~ w[x] is an exact sample of the mixture. What the per
 `seed` covers: the token drawn given the component (vLLM's per-request generator); the
 component comes from the model's generator, which every sampled row of every step advances,
 so a seeded request repeats its tokens only in an engine started with the same `seed` that
-receives the same requests in the same order and batches (checked: one seeded request of 12
-tokens, sent twice to one engine, came back with 2 tokens changed; sent first to each of two
-fresh engines, identical). The requests this mode cannot serve exactly are refused at admission by
-`OneProjectionRequests`, which the engine must load (`--logits-processors
-onona_jax.serve.vllm:OneProjectionRequests`).
+receives the same requests in the same order and batches (docs/serving.md). The requests
+this mode cannot serve exactly are refused at admission by `OneProjectionRequests`, which the
+engine must load (`--logits-processors onona_jax.serve.vllm:OneProjectionRequests`).
 
 Vocabulary tensor parallelism: each table is a `ParallelLMHead` (sharded by vocabulary rows
 as vLLM shards its LM head; `LogitsProcessor` gathers the logits); the gate lookup [V, K] is
