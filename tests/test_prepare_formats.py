@@ -120,7 +120,7 @@ def test_pretokenized_inputs_are_used_as_they_are(reference, tmp_path, monkeypat
     jl = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": s, "meta": i} for i, s in enumerate(seqs)])
     pqf = tmp_path / "t.parquet"
     pq.write_table(pa.table({"input_ids": pa.array(seqs, pa.list_(pa.int32()))}), pqf, row_group_size=6)
-    monkeypatch.setattr(sources, "_TABLE_ROWS", 4)  # Arrow slices within row groups, shipped to workers
+    monkeypatch.setattr(readers, "_TABLE_ROWS", 4)  # Arrow slices within row groups, shipped to workers
     for path, workers in ((jl, 1), (pqf, 1), (pqf, 2)):
         out = tmp_path / f"out-{path.suffix[1:]}-{workers}"
         m = prepare([str(path)], str(out), FRACTION, shard_tokens=150, seed=SEED, tokens_column="input_ids",
@@ -137,7 +137,7 @@ def test_pretokenized_inputs_are_used_as_they_are(reference, tmp_path, monkeypat
 
 def test_workers_and_max_tokens_do_not_change_the_output(tmp_path, monkeypatch):
     (tmp_path / "c.txt").write_text("\n\n".join(make_docs(120, seed=9)))
-    monkeypatch.setattr(sources, "_BLOCK_BYTES", 600)  # ~40 tasks, many paragraphs cut across reads
+    monkeypatch.setattr(readers, "_BLOCK_BYTES", 600)  # ~40 tasks, many paragraphs cut across reads
     lengths = np.array([len(encode(d)) + 1 for d in make_docs(120, seed=9)])
     cap = int(lengths[:77].sum()) + 3  # mid-document: the cap keeps whole documents only
     runs = {}
@@ -180,13 +180,13 @@ def test_chunk_cuts_do_not_change_documents_or_line_numbers(tmp_path, monkeypatc
     ref += ["".join(lines).strip()] if lines else []
     assert len(ref) > 20
     for block in (5, 64, 1 << 20):
-        monkeypatch.setattr(sources, "_BLOCK_BYTES", block)
+        monkeypatch.setattr(readers, "_BLOCK_BYTES", block)
         assert list(readers.iter_documents(tmp_path / "a.txt")) == ref
     # jsonl: the line number of a bad line counts \r\n, \r and \n as text mode does.
     good = '{"text": "x"}'
     (tmp_path / "b.jsonl").write_bytes(f"{good}\r\n{good}\r{good}\n\n{good}\r\n{{bad\n".encode())
     for block in (3, 1 << 20):
-        monkeypatch.setattr(sources, "_BLOCK_BYTES", block)
+        monkeypatch.setattr(readers, "_BLOCK_BYTES", block)
         with pytest.raises(ValueError, match=r"b\.jsonl:6: invalid JSON"):
             list(readers.iter_documents(tmp_path / "b.jsonl"))
 
