@@ -52,11 +52,14 @@ HELP = ("-h", "--help", "-help", "--helpfull", "-helpfull", "--helpshort", "-hel
 def help_asked(argv) -> bool:
     """Whether the command line `argv` (after the program) asks for --help. The help is then
     printed without parsing (a required flag may be missing) and without importing jax (slow to
-    start): a command's `define` defines its config flag with `define_config_for_help` instead. The flags after `--` are a sweep's, not ours."""
+    start): a command's `define` defines its config flag with `define_config_for_help` instead.
+    The flags after `--` are a sweep's, not ours."""
     for arg in argv:
         if arg == "--":
             return False
-        if arg in HELP or (arg.startswith(("--help=", "-help=")) and arg.split("=", 1)[1].lower() in ("true", "t", "1")):
+        if arg in HELP:
+            return True
+        if arg.startswith(("--help=", "-help=")) and arg.split("=", 1)[1].lower() in ("true", "t", "1"):
             return True
     return False
 

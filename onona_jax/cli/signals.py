@@ -13,11 +13,13 @@ pipeline's) can hold the process open at interpreter shutdown.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
 import sys
 import threading
+import time
 
 INTERRUPTED = 130  # the exit status of a command stopped by SIGINT (128 + 2, as a shell reports it)
 
@@ -151,9 +153,6 @@ def _watch(fd: int):
             return
         if _SIGINT.depth:
             for _ in range(data.count(0)):  # `_unraisable` asks for the first SIGINT again
-                import _thread
-                import time
-
                 time.sleep(0.001)
                 _SIGINT.redelivered += 1  # (before the delivery writes its byte)
                 _thread.interrupt_main(signal.SIGINT)
