@@ -47,16 +47,17 @@ def use(directory: str, min_compile_s: float = 1.0, key: str = "train.compile_ca
     directory = paths.absolute(os.path.expanduser(directory)) if directory else ""
     if directory:
         try:
-            cli.probe_writable(directory)
-        except Exception as err:  # noqa: BLE001 - OSError locally; a bucket's client raises its own
-            reason = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+            reason = cli.unwritable(directory)
+        except Exception as err:  # noqa: BLE001 - a bucket's client raises its own
+            reason = cli.reason(err)
+        if reason:
             env = os.environ.get(ENV)
             if env and directory == paths.absolute(os.path.expanduser(env)):  # the default, from the environment
                 raise ValueError(f"{ENV}={env} ({key}'s default): cannot write there ({reason}); set it to a "
                                  f"writable directory or bucket path, or to nothing ({ENV}=) to turn the "
-                                 "compilation cache off") from None
+                                 "compilation cache off")
             raise ValueError(f"{key}={directory}: cannot write there ({reason}); give a writable directory "
-                             f"or bucket path, or {key}= (empty) to turn the compilation cache off") from None
+                             f"or bucket path, or {key}= (empty) to turn the compilation cache off")
         if not _listening:
             jax.monitoring.register_event_listener(_count_hit)
             _listening = True

@@ -261,7 +261,7 @@ def test_unraisable_hooks_chain_without_a_circle(monkeypatch):
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(type(u.exc_value).__name__))
     for _ in range(3):
-        with cli._sigint_handling():
+        with cli.signals.sigint_handling():
             checkpoint._drop_orbax_leftovers()
     sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"), exc_traceback=None,
                                              err_msg=None, object=None))

@@ -727,4 +727,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli.exit(main())
+    cli.exit_process(main())

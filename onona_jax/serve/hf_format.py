@@ -721,11 +721,9 @@ def check_output(output: str, overwrite: bool = False) -> None:
     # replaced inside it. Probed without making any directory.
     above = os.path.dirname(out) if existing == out else existing
     for directory in (above, out) if full else (above,):
-        try:
-            cli.probe_writable(directory)
-        except OSError as err:
-            raise ValueError(f"--output={output}: cannot write to {directory} ({err.strerror or err}); "
-                             "give a writable place") from None
+        why = cli.unwritable(directory)
+        if why:
+            raise ValueError(f"--output={output}: cannot write to {directory} ({why}); give a writable place")
 
 
 def _file_mode() -> int:

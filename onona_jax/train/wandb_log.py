@@ -33,7 +33,7 @@ class WandbLog:
                 run_id = secrets.token_hex(4)  # (W&B's own is 8 characters of [a-z0-9] too)
                 paths.write_atomic(id_path, run_id + "\n")
         except OSError as err:
-            raise cli.Failure(f"cannot read or write {id_path} ({err.strerror or err}); make the workdir "
+            raise cli.Failure(f"cannot read or write {id_path} ({cli.reason(err)}); make the workdir "
                               "writable (or free space), then rerun the same command") from None
         self.id = run_id
         try:
