@@ -2,6 +2,7 @@
 eval files written here, the driver runs a fake train/eval command; one real tiny sweep is
 marked slow."""
 
+import dataclasses
 import json
 import math
 import os
@@ -67,6 +68,24 @@ def test_small_size_maps_every_spec_to_small_and_configs_validate(name):
     # Table 1's 142m and 330m groups coincide at one size and are run once.
     # Table 1's and matched's 142m and 330m (and 1b) groups coincide at one size and are run once.
     assert len(arms) == {"table1": 8, "matched": 6}.get(name, len(paper))
+
+
+def test_cells_are_named_records_and_an_arm_is_its_commands():
+    """A grid's cells and arms name every value; `commands` maps an Arm (or its dict, as grid.json
+    holds it) × seed to the train.py and eval.py argv the sweep runs and --emit writes."""
+    cells = {c.name: c for c in grids.GRIDS["matched"].cells}
+    assert cells["standard-matched-params"] == grids.Cell(
+        name="standard-matched-params", head="standard", rule="matched", overrides={"train.budget": "params"})
+    assert cells["twin"].rule is None and cells["twin"].tag == ""
+    arm = {a.name: a for a in grids.grid("init_scale", "small")}["twin-at-e-scale"]
+    rd = "--workdir=/w/twin-at-e-scale/seed1"
+    argv = [("train", ["py", "train.py", "--config=configs/paper.py:dense-small-twin", rd, "--config.seed=1",
+                       f"--config.model.table_init_scale={math.sqrt(2)}", "--config.train.steps=3"]),
+            ("eval", ["py", "eval.py", rd])]
+    assert grids.commands(arm, 1, "/w", ["--config.train.steps=3"], "py") == argv
+    assert grids.commands(dataclasses.asdict(arm), 1, "/w", ["--config.train.steps=3"], "py") == argv
+    assert grids.config_flags({"train.decay_vectors": True, "train.lr": 3e-4}) == [
+        "--config.train.decay_vectors=true", "--config.train.lr=0.0003"]
 
 
 def test_output_layer_and_controls_grids():

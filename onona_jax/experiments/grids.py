@@ -339,10 +339,12 @@ def run_dir(workdir: str, arm: str, seed: int) -> str:
     return paths.Sweepdir(workdir).run(arm, seed).root
 
 
-def commands(arm: dict, seed: int, workdir: str, extra=(), python: str | None = None) -> list:
-    """[("train", argv), ("eval", argv)] for one arm (a dict of `Arm`'s fields, as `grid_info` and
-    grid.json hold it) × seed; argv run with cwd = the repository root. `extra`: flags for every
-    train.py; `python`: the interpreter (default: this one)."""
+def commands(arm: Arm | dict, seed: int, workdir: str, extra=(), python: str | None = None) -> list:
+    """[("train", argv), ("eval", argv)] for one arm × seed; argv run with cwd = the repository
+    root. `arm`: an `Arm` or its fields as a dict (as `grid_info` and grid.json hold it); `extra`:
+    flags for every train.py; `python`: the interpreter (default: this one)."""
+    if isinstance(arm, Arm):
+        arm = dataclasses.asdict(arm)
     python = python or sys.executable
     rd = run_dir(workdir, arm["name"], seed)
     train = [python, "train.py", f"--config={PAPER_CONFIGS}:{arm['spec']}", f"--workdir={rd}",
@@ -350,7 +352,7 @@ def commands(arm: dict, seed: int, workdir: str, extra=(), python: str | None = 
     return [("train", train), ("eval", [python, "eval.py", f"--workdir={rd}"])]
 
 
-def command_line(arm: dict, seed: int, workdir: str, extra=(), root: str | None = None,
+def command_line(arm: Arm | dict, seed: int, workdir: str, extra=(), root: str | None = None,
                  python: str | None = None) -> str:
     """`cd ROOT && <train> && <eval>` for one arm × seed: one line of a scheduler's job file."""
     parts = [f"cd {shlex.quote(root or repo_root())}"]

@@ -1,4 +1,4 @@
-"""Run one of the paper's experiment grids (`grids.py` GRIDS): every arm × seed is
+"""Run one of the paper's experiment grids (`experiments/grids.py`): every arm × seed is
 trained with `train.py` and evaluated with `eval.py`, in sequence, in `DIR/<arm>/seed<k>`.
 
     python -m onona_jax.experiments.sweep --grid=factorial --size=small --seeds=0,1 --workdir=runs/fact
@@ -29,7 +29,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -185,7 +184,7 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
 
 
 def define(fv, argv):
-    flags.DEFINE_string("grid", None, "table1, output_layer, controls, factorial or depth", flag_values=fv, required=True)
+    flags.DEFINE_string("grid", None, f"the grid: {', '.join(grids.GRIDS)}", flag_values=fv, required=True)
     flags.DEFINE_string("size", None, "run every arm at this size (e.g. small); default: the paper's", flag_values=fv)
     flags.DEFINE_list("seeds", ["0"], "comma-separated seeds, e.g. 0,1,2", flag_values=fv)
     flags.DEFINE_list("arms", [], "comma-separated subset of the grid's arms to run", flag_values=fv)
