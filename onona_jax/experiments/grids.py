@@ -79,6 +79,8 @@ class Cell:
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
+    """An experiment: its cells, placed at every arch × size, and what the report compares."""
+
     doc: str
     archs: tuple[str, ...]
     sizes: tuple[str, ...]  # the paper's; `size=` replaces them all
@@ -91,6 +93,8 @@ class Grid:
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
+    """A cell placed at one arch × size: what one train.py command trains (once a seed)."""
+
     name: str  # also the arm's directory under the sweep's workdir
     spec: str  # "<arch>-<size>-<head>[@<seq_len>]" for configs/paper.py's get_config
     overrides: dict = dataclasses.field(default_factory=dict)  # config key -> value
