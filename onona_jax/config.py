@@ -74,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.rope_theta = 10_000.0
     m.norm_eps = 1e-6
     # The vocabulary tables' init std is table_init_scale × 0.02, every table of the head (the
-    # gate and the body unchanged). The init-scale control (configs/paper.py grid init_scale):
+    # gate and the body unchanged). The init-scale control (experiments/grids.py, grid init_scale):
     # twin at √2 starts M = (A+B)/2 at Standard's std 0.02; Standard at 1/√2 starts E at M's 0.0141.
     m.table_init_scale = 1.0
     m.dtype = "bfloat16"  # compute dtype; parameters and optimizer state stay fp32

@@ -14,16 +14,16 @@ import pytest
 from flax import nnx
 
 from onona_jax import config, heads, models, summary
-from onona_jax.experiments import report, sweep
+from onona_jax.experiments import grids, report, sweep
 from onona_jax.params import path_str
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAPER = sweep.load_paper_configs(REPO)
+PAPER = grids.load_paper_configs(REPO)
 TOKENS_PER_STEP = 256 * 1024
 
 
 def load(spec, **overrides):
-    return PAPER.configure(spec, overrides)
+    return grids.configure(spec, overrides)
 
 
 # ---------------------------------------------------------------------------------- budgets
@@ -62,7 +62,7 @@ def test_budgets_scale_an_explicit_step_count():
 def test_parameter_matched_standard_is_within_one_percent_of_twin(size):
     """The matched grid's Standard is widened (d_ff, a multiple of 64) to within 1% of twin's
     total, and still trains its size's token budget (train.reference), as the depth control does."""
-    arms = {a.name: a for a in PAPER.grid("matched", size)}
+    arms = {a.name: a for a in grids.grid("matched", size)}
     matched = arms[f"dense-{size}-standard-matched"]
     twin = summary.param_counts(load(f"dense-{size}-twin").model)["total"]
     cfg = load(matched.spec, **matched.overrides)
@@ -80,7 +80,7 @@ def test_parameter_matched_standard_is_within_one_percent_of_twin(size):
 def test_depth_control_trains_the_size_budget():
     """The paper: every arm at a size gets 40 × the Dense Standard parameters (50,349 steps at
     330M), the 28-layer control included (it used to get 40 × its own)."""
-    arm = {a.name: a for a in PAPER.grid("depth")}["standard-28l"]
+    arm = {a.name: a for a in grids.grid("depth")}["standard-28l"]
     assert arm.overrides == {"model.n_layers": 28, "train.reference": "n_layers=24"}
     assert summary.budget(load(arm.spec, **arm.overrides))["steps"] == 50_349
 
@@ -150,7 +150,7 @@ def test_init_scale_changes_the_tables_and_nothing_else():
     scaled table is scale × the unscaled one (the key is the path's; to fp32 rounding, as XLA folds
     0.02 × scale into one constant: 2 roundings, rtol 2.4e-7); twin at √2 starts
     M = (A+B)/2 at Standard's std 0.02 and Standard at 1/√2 starts E at M's 0.0141."""
-    cells = {a.name: a for a in PAPER.grid("init_scale", "tiny")}
+    cells = {a.name: a for a in grids.grid("init_scale", "tiny")}
     params = {}
     for name, arm in cells.items():
         cfg = load(arm.spec, **arm.overrides)

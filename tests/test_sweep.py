@@ -1,7 +1,8 @@
-"""Experiment grids (configs/paper.py), the sweep driver and the report. Fast: the report reads
+"""Experiment grids (experiments/grids.py), the sweep driver and the report. Fast: the report reads
 eval files written here, the driver runs a fake train/eval command; one real tiny sweep is
 marked slow."""
 
+import dataclasses
 import json
 import math
 import os
@@ -9,18 +10,17 @@ import sys
 
 import pytest
 
-from onona_jax.experiments import report
-from onona_jax.experiments import sweep
+from onona_jax.experiments import grids, report, sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAPER = sweep.load_paper_configs(REPO)
+PAPER = grids.load_paper_configs(REPO)
 
 
 # ---------------------------------------------------------------------------------- grids
 
 
 def test_factorial_grid_has_the_four_cells():
-    arms = PAPER.grid("factorial")
+    arms = grids.grid("factorial")
     assert [(a.name, a.spec, a.overrides) for a in arms] == [
         ("standard", "dense-142m-standard", {}),
         ("twin_input_only", "dense-142m-twin_input_only", {}),
@@ -28,24 +28,24 @@ def test_factorial_grid_has_the_four_cells():
         ("twin", "dense-142m-twin", {}),
     ]
     assert {a.baseline for a in arms} == {"standard"}
-    info = PAPER.grid_info("factorial")
+    info = grids.grid_info("factorial")
     assert info["interaction"] == dict(baseline="standard", input="twin_input_only",
                                        output="twin_output_only", both="twin")
 
 
 def test_depth_grid_adds_four_layers_at_330m_and_one_at_small():
-    arms = {a.name: a for a in PAPER.grid("depth")}
+    arms = {a.name: a for a in grids.grid("depth")}
     assert list(arms) == ["standard", "standard-28l", "twin"]
     assert arms["standard-28l"].spec == "dense-330m-standard"
     assert arms["standard-28l"].overrides == {"model.n_layers": 28, "train.reference": "n_layers=24"}
     assert PAPER.get_config("dense-330m-standard").model.n_layers == 24
-    small = {a.name: a for a in PAPER.grid("depth", "small")}
+    small = {a.name: a for a in grids.grid("depth", "small")}
     assert small["standard-5l"].overrides == {"model.n_layers": 5, "train.reference": "n_layers=4"}
-    assert PAPER.grid_info("depth", "small")["compare"] == [["twin", "standard-5l"]]
+    assert grids.grid_info("depth", "small")["compare"] == [["twin", "standard-5l"]]
 
 
 def test_table1_has_16_arms_with_a_baseline_per_family_and_size():
-    arms = PAPER.grid("table1")
+    arms = grids.grid("table1")
     assert len(arms) == 16
     assert {a.spec for a in arms} == {f"{x}-{s}-{h}" for x in ("dense", "gdn", "moe", "attnres")
                                       for s in ("142m", "330m") for h in ("standard", "twin")}
@@ -55,28 +55,46 @@ def test_table1_has_16_arms_with_a_baseline_per_family_and_size():
         assert a.is_baseline == (head == "standard")
 
 
-@pytest.mark.parametrize("name", list(PAPER.GRIDS))
+@pytest.mark.parametrize("name", list(grids.GRIDS))
 def test_small_size_maps_every_spec_to_small_and_configs_validate(name):
     from onona_jax.config import validate
 
-    arms = PAPER.grid(name, "small")
+    arms = grids.grid(name, "small")
     assert arms and all(a.spec.split("-")[1] == "small" for a in arms)
     assert len({a.name for a in arms}) == len(arms)
     for a in arms:
-        validate(PAPER.configure(a.spec, a.overrides))
-    paper = PAPER.grid(name)
+        validate(grids.configure(a.spec, a.overrides))
+    paper = grids.grid(name)
     # Table 1's 142m and 330m groups coincide at one size and are run once.
     # Table 1's and matched's 142m and 330m (and 1b) groups coincide at one size and are run once.
     assert len(arms) == {"table1": 8, "matched": 6}.get(name, len(paper))
 
 
+def test_cells_are_named_records_and_an_arm_is_its_commands():
+    """A grid's cells and arms name every value; `commands` maps an Arm (or its dict, as grid.json
+    holds it) × seed to the train.py and eval.py argv the sweep runs and --emit writes."""
+    cells = {c.name: c for c in grids.GRIDS["matched"].cells}
+    assert cells["standard-matched-params"] == grids.Cell(
+        name="standard-matched-params", head="standard", rule="matched", overrides={"train.budget": "params"})
+    assert cells["twin"].rule is None and cells["twin"].tag == ""
+    arm = {a.name: a for a in grids.grid("init_scale", "small")}["twin-at-e-scale"]
+    rd = "--workdir=/w/twin-at-e-scale/seed1"
+    argv = [("train", ["py", "train.py", "--config=configs/paper.py:dense-small-twin", rd, "--config.seed=1",
+                       f"--config.model.table_init_scale={math.sqrt(2)}", "--config.train.steps=3"]),
+            ("eval", ["py", "eval.py", rd])]
+    assert grids.commands(arm, 1, "/w", ["--config.train.steps=3"], "py") == argv
+    assert grids.commands(dataclasses.asdict(arm), 1, "/w", ["--config.train.steps=3"], "py") == argv
+    assert grids.config_flags({"train.decay_vectors": True, "train.lr": 3e-4}) == [
+        "--config.train.decay_vectors=true", "--config.train.lr=0.0003"]
+
+
 def test_output_layer_and_controls_grids():
-    assert [a.spec for a in PAPER.grid("output_layer")] == [
+    assert [a.spec for a in grids.grid("output_layer")] == [
         f"dense-142m-{h}" for h in ("standard", "twin", "mos", "sigsoftmax", "moss", "untied")]
-    assert [a.spec for a in PAPER.grid("controls")] == [
+    assert [a.spec for a in grids.grid("controls")] == [
         f"dense-142m-{h}" for h in ("standard", "twin", "untied", "mos", "input_gate")]
     with pytest.raises(ValueError, match="unknown grid"):
-        PAPER.grid("nope")
+        grids.grid("nope")
 
 
 # ---------------------------------------------------------------------------------- report

@@ -1,4 +1,4 @@
-"""Run one of the paper's experiment grids (`configs/paper.py` GRIDS): every arm × seed is
+"""Run one of the paper's experiment grids (`experiments/grids.py`): every arm × seed is
 trained with `train.py` and evaluated with `eval.py`, in sequence, in `DIR/<arm>/seed<k>`.
 
     python -m onona_jax.experiments.sweep --grid=factorial --size=small --seeds=0,1 --workdir=runs/fact
@@ -23,44 +23,23 @@ run's train.py holds its own run directory.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
 from absl import flags
 
 from onona_jax import cli, paths
+from onona_jax.experiments import grids
+from onona_jax.experiments.grids import PAPER_CONFIGS, command_line, commands, config_flags, repo_root, run_dir
 from onona_jax.train.lock import WorkdirLock, check as check_lock
 
 STDERR_TAIL = 4000  # characters of a failed run's stderr kept in sweep_status.json
-
-
-def repo_root() -> str:
-    """The directory holding train.py, eval.py and configs/paper.py."""
-    candidates = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd()]
-    for root in candidates:
-        if all(os.path.exists(os.path.join(root, f)) for f in ("train.py", "eval.py", "configs/paper.py")):
-            return root
-    raise ValueError(
-        "cannot find train.py, eval.py and configs/paper.py next to the onona_jax package "
-        "or in the current directory; run from the onona-jax repository root"
-    )
-
-
-def load_paper_configs(root: str | None = None):
-    """configs/paper.py as a module (it is a config file, not part of the package)."""
-    path = os.path.join(root or repo_root(), "configs", "paper.py")
-    spec = importlib.util.spec_from_file_location("_onona_paper_configs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def arm_config(spec: str, overrides: dict, extra=(), root: str | None = None):
@@ -68,9 +47,8 @@ def arm_config(spec: str, overrides: dict, extra=(), root: str | None = None):
     arm's overrides and the sweep's `--config.*` flags after `--`, parsed as train.py parses them."""
     from onona_jax import config as config_lib
 
-    argv = ["train.py", f"--config={os.path.join(root or repo_root(), 'configs', 'paper.py')}:{spec}",
-            *[f"--config.{k}={_value(v)}" for k, v in overrides.items()],
-            *[a for a in extra if a.startswith("--config.")]]
+    argv = ["train.py", f"--config={os.path.join(root or repo_root(), PAPER_CONFIGS)}:{spec}",
+            *config_flags(overrides), *[a for a in extra if a.startswith("--config.")]]
     fv = flags.FlagValues()
     config_lib.define_flag(fv, argv)
     fv(argv)
@@ -78,12 +56,12 @@ def arm_config(spec: str, overrides: dict, extra=(), root: str | None = None):
 
 
 def grid_info(name: str, size: str | None = None, root: str | None = None, extra=()) -> dict:
-    """The grid (configs/paper.py `grid_info`) with every arm's config built as its train.py
-    command line builds it, `--` flags included (a parameter-matched arm matches the model it will
-    be compared with), and each arm's budget under "budget"."""
+    """The grid (`grids.grid_info`) with every arm's config built as its train.py command line
+    builds it, `--` flags included (a parameter-matched arm matches the model it will be compared
+    with), and each arm's budget under "budget"."""
     from onona_jax import summary
 
-    info = load_paper_configs(root).grid_info(name, size, lambda spec, o: arm_config(spec, o, extra, root))
+    info = grids.grid_info(name, size, lambda spec, o: arm_config(spec, o, extra, root), root)
     for arm in info["arms"]:  # steps, tokens, FLOPs, params as train.py will run it
         arm["budget"] = summary.budget(arm_config(arm["spec"], arm["overrides"], extra, root))
     return info
@@ -100,27 +78,6 @@ def budget_table(arms) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in rows)
-
-
-def run_dir(workdir: str, arm: str, seed: int) -> str:
-    return paths.Sweepdir(workdir).run(arm, seed).root
-
-
-def _value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
-
-
-def commands(arm: dict, seed: int, workdir: str, extra=(), python: str | None = None) -> list:
-    """[("train", argv), ("eval", argv)] for one arm × seed; argv run with cwd = repo root."""
-    python = python or sys.executable
-    rd = run_dir(workdir, arm["name"], seed)
-    train = [python, "train.py", f"--config=configs/paper.py:{arm['spec']}", f"--workdir={rd}",
-             f"--config.seed={seed}"]
-    train += [f"--config.{k}={_value(v)}" for k, v in arm.get("overrides", {}).items()]
-    train += list(extra)
-    return [("train", train), ("eval", [python, "eval.py", f"--workdir={rd}"])]
 
 
 def _read_json(path: str, default):
@@ -143,14 +100,6 @@ def write_grid_json(workdir: str, info: dict, seeds, extra=()) -> dict:
     grid = dict(info, seeds=all_seeds, train_flags=list(extra), updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
     paths.write_json(path, grid)
     return grid
-
-
-def command_line(arm: dict, seed: int, workdir: str, extra=(), root: str | None = None,
-                 python: str | None = None) -> str:
-    """`cd ROOT && <train> && <eval>` for one arm × seed."""
-    parts = [f"cd {shlex.quote(root or repo_root())}"]
-    argvs = commands(arm, seed, workdir, extra, python)
-    return " && ".join(parts + [shlex.join(argv) for _, argv in argvs])
 
 
 def emit(path: str, arms, seeds, workdir: str, extra=(), root: str | None = None,
@@ -235,7 +184,7 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
 
 
 def define(fv, argv):
-    flags.DEFINE_string("grid", None, "table1, output_layer, controls, factorial or depth", flag_values=fv, required=True)
+    flags.DEFINE_string("grid", None, f"the grid: {', '.join(grids.GRIDS)}", flag_values=fv, required=True)
     flags.DEFINE_string("size", None, "run every arm at this size (e.g. small); default: the paper's", flag_values=fv)
     flags.DEFINE_list("seeds", ["0"], "comma-separated seeds, e.g. 0,1,2", flag_values=fv)
     flags.DEFINE_list("arms", [], "comma-separated subset of the grid's arms to run", flag_values=fv)
