@@ -432,10 +432,10 @@ def _validate_training(cfg, need, defaults):
 # docs/training.md ("Resuming with a changed config").
 RESUMABLE_KEYS = (
     "name",                  # a label
-    "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)
-    "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (loop.check_same_data)
+    "train.steps",           # the budget, while the WSD decay has not begun (train/resume.py check_schedule)
+    "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (train/resume.py check_same_data)
     # Its weights may change (recorded in metrics.jsonl); its sources, by name and identity, not
-    # (loop.check_same_data)
+    # (train/resume.py check_same_data)
     "data.mixture",
     "data.bucket_read",      # copied or streamed: the same batches
     "data.read_threads", "data.prefetch",  # how the batches are read, not which
