@@ -19,7 +19,7 @@ import pytest
 
 from conftest import tiny_config
 from onona_jax import train as trainer
-from onona_jax.train import actions, loop
+from onona_jax.train import actions
 
 STEPS, EVERY = 4, 1
 
@@ -53,7 +53,7 @@ def rows(workdir):
     return [json.loads(line) for line in open(workdir / "param_norm.jsonl")]
 
 
-def test_an_added_action_runs_resumes_exactly_and_is_removed(tiny_data, tmp_path, monkeypatch, registered):
+def test_an_added_action_runs_resumes_exactly_and_is_removed(tiny_data, tmp_path, registered):
     cfg = tiny_config(tiny_data, "standard", micro_batch=8, steps=STEPS)
     cfg.mesh.data = 1
     through, resumed = tmp_path / "through", tmp_path / "resumed"
@@ -61,20 +61,22 @@ def test_an_added_action_runs_resumes_exactly_and_is_removed(tiny_data, tmp_path
     expected = rows(through)
     assert [r["step"] for r in expected] == list(range(EVERY, STEPS + 1, EVERY))
 
-    # Pre-empted (SIGTERM to this process) while step 2 is fed: step 2 is saved, the rerun resumes there.
-    global_batch, fed = loop.global_batch, [0]
+    # Pre-empted after step 2 (SIGTERM to this process, sent by a one-off action of its own):
+    # step 2 is saved, and the rerun resumes there.
+    class SigtermAtStep2(actions.Action):
+        def due(self, step, last):
+            return step == 2
 
-    def preempting(run_, local):
-        fed[0] += 1
-        if fed[0] == 2:
+        def __call__(self, step, state):
             os.kill(os.getpid(), signal.SIGTERM)
-        return global_batch(run_, local)
 
-    with monkeypatch.context() as m:
-        m.setattr(loop, "global_batch", preempting)
+    actions.register(SigtermAtStep2)
+    try:
         first = trainer.train(cfg, str(resumed), devices=jax.devices()[:1], progress=False)
+    finally:
+        actions.unregister(SigtermAtStep2)
     assert first == {"step": 2, "preempted": True}
-    assert [r["step"] for r in rows(resumed)] == [s for s in range(EVERY, 3, EVERY)]
+    assert [r["step"] for r in rows(resumed)] == list(range(EVERY, 3, EVERY))
     trainer.train(cfg, str(resumed), devices=jax.devices()[:1], progress=False)
     assert rows(resumed) == expected  # the same steps, the same values bit for bit
 
