@@ -59,7 +59,7 @@ class MetricsQueue:
         if not self.steps:
             return
         host = jax.device_get([m for _, m in self.steps])
-        tokens_per_s, times, paused = t.clock.lap(self.steps[-1][0])
+        tokens_per_s, times, pauses = t.clock.lap(self.steps[-1][0])
         for (s, _), m in zip(self.steps, host):
             m = {k: float(v) for k, v in m.items()}
             if not math.isfinite(m["loss"]):
@@ -75,7 +75,7 @@ class MetricsQueue:
                 m["mfu"] = tokens_per_s * t.flops["train"] / (t.peak * 1e12 * jax.device_count())
                 m["mfu_full_square"] = tokens_per_s * t.flops["train_full_square"] / (t.peak * 1e12 * jax.device_count())
             if s == self.steps[-1][0]:
-                m.update(paused)
+                m.update(pauses)
             t.log.write(s, m)
         t.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
         self.steps.clear()
@@ -208,7 +208,7 @@ class StopProfile(Action):
         return self.t.profiler.stop_due(step, last)
 
     def __call__(self, step, state):
-        self.t.clock.paused["profile_s"] += self.t.profiler.finish(step, state)
+        self.t.clock.add_pause("profile_s", self.t.profiler.finish(step, state))
 
 
 class Progress(Action):

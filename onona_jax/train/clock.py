@@ -34,7 +34,7 @@ class Clock:
     def __init__(self, step: int, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
         self.began, self.step = time.perf_counter(), step
-        self.paused = dict.fromkeys(self.PAUSES, 0.0)
+        self.seconds_paused = dict.fromkeys(self.PAUSES, 0.0)
         self.data_wait = 0.0
         self.cache_hits = None  # the first step's compile: programs loaded from the persistent cache
 
@@ -43,7 +43,10 @@ class Clock:
         """Time the block as `kind`, one of PAUSES."""
         began = time.perf_counter()
         yield
-        self.paused[kind] += time.perf_counter() - began
+        self.add_pause(kind, time.perf_counter() - began)
+
+    def add_pause(self, kind: str, seconds: float):
+        self.seconds_paused[kind] += seconds
 
     @contextlib.contextmanager
     def waiting_for_data(self):
@@ -56,7 +59,7 @@ class Clock:
         """The first step: its call compiles (or loads from the cache) before it dispatches."""
         began, hits = time.perf_counter(), compile_cache.hits()
         yield
-        self.paused["compile_s"] += time.perf_counter() - began
+        self.seconds_paused["compile_s"] += time.perf_counter() - began
         if count_cache_hits:
             self.cache_hits = compile_cache.hits() - hits
 
@@ -65,14 +68,14 @@ class Clock:
         paused seconds that were not zero, and the first step's compile_cache_hits), and start
         the next one."""
         now = time.perf_counter()
-        training = now - self.began - sum(self.paused.values())
+        training = now - self.began - sum(self.seconds_paused.values())
         steps = step - self.step
         tokens_per_s = steps * self.tokens_per_step / max(training, 1e-9)
         times = {"step_s": max(training - self.data_wait, 0.0) / steps, "data_wait_s": self.data_wait / steps}
         self.began, self.step = now, step
-        paused = {k: v for k, v in self.paused.items() if v and k != "task_s"}
+        pauses = {k: v for k, v in self.seconds_paused.items() if v and k != "task_s"}
         if self.cache_hits is not None:
-            paused["compile_cache_hits"] = self.cache_hits
-        self.paused = dict.fromkeys(self.PAUSES, 0.0)
+            pauses["compile_cache_hits"] = self.cache_hits
+        self.seconds_paused = dict.fromkeys(self.PAUSES, 0.0)
         self.data_wait, self.cache_hits = 0.0, None
-        return tokens_per_s, times, paused
+        return tokens_per_s, times, pauses

@@ -2,7 +2,7 @@
 before the lock is taken and again under it (`loop.train`), read-only, before any write:
 
 - the config keys outside `config.RESUMABLE_KEYS` as saved with the newest checkpoint
-  (`config.resume_conflicts`, beside the keys it lists);
+  (`resume_conflicts`);
 - the step budget, while it leaves every step already taken at its learning rate (`check_schedule`);
 - the same data wherever it now lies (`check_same_data`: the sources, and each data dir's
   identity, `data/storage.py`'s manifest hash and the record of the last start).
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 
-from onona_jax import paths
+from ml_collections import ConfigDict
+
+from onona_jax import config, paths
 from onona_jax.checkpoint import Checkpoints
 from onona_jax.data import storage
 
@@ -30,8 +32,6 @@ def check_resume(cfg, run, workdir: str, data=None):
     lies: `check_same_data`; `data`: the requested data as `train` opened it) and, if
     train.steps changed, the same learning rate for every step already taken
     (`check_schedule`). Read-only; before any write."""
-    from onona_jax import config as config_lib
-
     directory = paths.Workdir(workdir).checkpoints
     if not paths.isdir(directory):
         return
@@ -39,8 +39,8 @@ def check_resume(cfg, run, workdir: str, data=None):
     if newest is None:
         return
     step, saved = newest
-    saved = config_lib.from_saved(saved, f"{directory}/{step}")
-    conflicts = config_lib.resume_conflicts(saved, cfg)
+    saved = config.from_saved(saved, f"{directory}/{step}")
+    conflicts = resume_conflicts(saved, cfg)
     if conflicts:
         listed = "; ".join(f"{k}: {a!r} → {b!r}" for k, a, b in conflicts)
         raise ValueError(
@@ -55,6 +55,18 @@ def check_resume(cfg, run, workdir: str, data=None):
         raise ValueError(f"train.steps resolves to {run.steps}, below the checkpoint's step {step} in "
                          f"{directory}; give train.steps >= {step} (or use a new --workdir)")
     check_schedule(saved, run, step, workdir)
+
+
+def resume_conflicts(saved, requested) -> list[tuple[str, object, object]]:
+    """(key, saved value, requested value) of every key outside config.RESUMABLE_KEYS that differs
+    (both compared as JSON, so 1e-3 equals 0.001; a key one side lacks is `<absent>`)."""
+
+    def norm(c):
+        return config.flatten(json.loads(c.to_json() if isinstance(c, ConfigDict) else json.dumps(c)))
+
+    a, b = norm(saved), norm(requested)
+    return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
+            if k not in config.RESUMABLE_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>")]
 
 
 def check_schedule(saved, run, step: int, workdir: str):
@@ -155,13 +167,11 @@ def config_edits(path: str, checkpoints: str) -> str:
     newest = Checkpoints(checkpoints, read_only=True).newest_config()
     if newest is None:
         return ""
-    from onona_jax.config import flatten
-
     try:
         written = json.loads(paths.read_text(path))
     except (OSError, ValueError):
         return "it no longer reads as JSON"
-    old, new = flatten(newest[1]), flatten(written if isinstance(written, dict) else {})
+    old, new = config.flatten(newest[1]), config.flatten(written if isinstance(written, dict) else {})
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     listed = ", ".join(f"{k}: {old.get(k, '-')!r} → {new.get(k, '-')!r}" for k in keys[:5])
     return listed + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
