@@ -48,14 +48,14 @@ class MetricsQueue:
     the interval's rates (`clock.Clock.lap`), each named source's tokens and MFU."""
 
     def __init__(self, trainer):
-        self.t = trainer
+        self.trainer = trainer
         self.steps: list[tuple[int, dict]] = []
 
     def add(self, step: int, metrics: dict):
         self.steps.append((step, metrics))
 
     def flush(self):
-        t, seq_len = self.t, self.t.cfg.data.seq_len
+        t, seq_len = self.trainer, self.trainer.cfg.data.seq_len
         if not self.steps:
             return
         host = jax.device_get([m for _, m in self.steps])
@@ -192,7 +192,7 @@ class Action:
     """The base of the periodic actions (optional: any object with `due` and `__call__` will do)."""
 
     def __init__(self, trainer):
-        self.t = trainer
+        self.trainer = trainer
 
     def due(self, step: int, last: bool) -> bool:
         raise NotImplementedError
@@ -205,18 +205,20 @@ class StopProfile(Action):
     """The trace ends after its range's last step (or the run's): written, its time paused."""
 
     def due(self, step, last):
-        return self.t.profiler.stop_due(step, last)
+        return self.trainer.profiler.stop_due(step, last)
 
     def __call__(self, step, state):
-        self.t.clock.add_pause("profile_s", self.t.profiler.finish(step, state))
+        self.trainer.clock.add_pause("profile_s", self.trainer.profiler.finish(step, state))
 
 
 class Progress(Action):
+    """The progress bar, a step on."""
+
     def due(self, step, last):
         return True
 
     def __call__(self, step, state):
-        self.t.bar.update(1)
+        self.trainer.bar.update(1)
 
 
 class FailedSave(Action):
@@ -227,9 +229,9 @@ class FailedSave(Action):
 
     def __call__(self, step, state):
         try:
-            self.t.ckpts.check()
+            self.trainer.ckpts.check()
         except Exception as err:  # noqa: BLE001
-            raise save_failure(self.t.ckpts, err) from None
+            raise save_failure(self.trainer.ckpts, err) from None
 
 
 class LogMetrics(Action):
@@ -237,37 +239,37 @@ class LogMetrics(Action):
     validated, saved or scored keeps its metrics too, for the next write (and a save's check)."""
 
     def logged(self, step, last):
-        return step % self.t.cfg.train.log_every == 0 or last
+        return step % self.trainer.cfg.train.log_every == 0 or last
 
     def due(self, step, last):
-        t = self.t.cfg.train
-        return (self.logged(step, last) or step % t.checkpoint_every == 0 or step % t.eval_every == 0
-                or self.t.tasks.due(step, self.t.run.steps))
+        every = self.trainer.cfg.train
+        return (self.logged(step, last) or step % every.checkpoint_every == 0 or step % every.eval_every == 0
+                or self.trainer.tasks.due(step, self.trainer.run.steps))
 
     def __call__(self, step, state):
-        self.t.pending.add(step, self.t.metrics)
-        if self.logged(step, step == self.t.run.steps):
-            self.t.pending.flush()
+        self.trainer.pending.add(step, self.trainer.metrics)
+        if self.logged(step, step == self.trainer.run.steps):
+            self.trainer.pending.flush()
 
 
 class Validate(Action):
     """Every train.eval_every steps (the last step's, with variants: `Trainer.finish`)."""
 
     def due(self, step, last):
-        return step % self.t.cfg.train.eval_every == 0 and not last
+        return step % self.trainer.cfg.train.eval_every == 0 and not last
 
     def __call__(self, step, state):
-        validate(self.t, step)
+        validate(self.trainer, step)
 
 
 class ScoreTasks(Action):
     """train.tasks every train.tasks_every steps (the last step's: after its validation, `Trainer.finish`)."""
 
     def due(self, step, last):
-        return self.t.tasks.due(step, self.t.run.steps) and not last
+        return self.trainer.tasks.due(step, self.trainer.run.steps) and not last
 
     def __call__(self, step, state):
-        score_tasks(self.t, step)
+        score_tasks(self.trainer, step)
 
 
 class Save(Action):
@@ -279,7 +281,8 @@ class Save(Action):
         return True
 
     def __call__(self, step, state):
-        self.t.ckpts.maybe_save(step, step == self.t.run.steps, lambda timer: save(self.t, step, timer))
+        t = self.trainer
+        t.ckpts.maybe_save(step, step == t.run.steps, lambda timer: save(t, step, timer))
 
 
 class StopOnPreemption(Action):
@@ -287,15 +290,16 @@ class StopOnPreemption(Action):
     it is waited for), and the run ends. The last step's own save and `Trainer.finish` see to it there."""
 
     def due(self, step, last):
-        return self.t.preemption.reached(step) and not last  # (reached: a sync point every step)
+        return self.trainer.preemption.reached(step) and not last  # (reached: a sync point every step)
 
     def __call__(self, step, state):
-        t, interrupted = self.t, self.t.preemption.interrupted
+        t = self.trainer
         if t.ckpts.saved != step:
             save(t, step)
         wait_for_saves(t.ckpts)
         from tqdm import tqdm
 
+        interrupted = t.preemption.interrupted
         tqdm.write(f"{'interrupted' if interrupted else 'pre-empted'}: saved step {step}; rerun "
                    "the same command to resume", file=sys.stderr)  # (on a line of its own, not the bar's)
         raise StopRun({"step": step, "preempted": True, **({"interrupted": True} if interrupted else {})})

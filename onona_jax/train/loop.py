@@ -21,18 +21,20 @@ from onona_jax import cli, compile_cache, paths, summary
 from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
 from onona_jax.eval.validation import Evaluator, variants
 from onona_jax.train import actions, downstream
-from onona_jax.train.actions import NonFiniteLoss, Preemption, StopRun, save_failure  # noqa: F401
+from onona_jax.train.actions import Preemption, StopRun
 from onona_jax.train.clock import Clock, peak_tflops
 from onona_jax.train.lock import LockLost, check as raise_if_lock_lost
-from onona_jax.train.metrics import MetricsLog, tensorboard_records  # noqa: F401 (imported from here too)
+from onona_jax.train.metrics import MetricsLog
 from onona_jax.train.profile import Profiler
-from onona_jax.train.resume import check_resume, check_same_data, check_schedule, config_edits  # noqa: F401
-from onona_jax.train.startup import (STARTUP_ENTRIES, existing_entries, open_data, prepare_data,  # noqa: F401
-                                     remove_if_empty, remove_new_entries, require_writable, take_lock,
-                                     write_config)
+from onona_jax.train.resume import check_resume
+from onona_jax.train.startup import (existing_entries, open_data, prepare_data, remove_if_empty, remove_new_entries,
+                                     require_writable, take_lock, write_config)
 from onona_jax.train.state import abstract_train_state, init_state, setup
 from onona_jax.train.step import global_batch, make_train_step
 from onona_jax.train.upcycling import upcycle
+
+# Names the tests and tools import from here, each living in its concept's module.
+from onona_jax.train.resume import check_same_data, config_edits  # noqa: F401
 
 
 def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
