@@ -332,6 +332,35 @@ class KeepScheduled(ocp.checkpoint_managers.PreservationPolicy):
         return [c.step in kept for c in checkpoints]
 
 
+# The clock of train.checkpoint_minutes (a module attribute, so a test can run a run on a clock
+# of its own: tests/multihost_driver.py).
+timer_clock = time.monotonic
+
+
+class SaveTimer:
+    """train.checkpoint_minutes: whether a timer save is due, asked at logged steps only. Process
+    0's clock decides and every process gets its answer (one broadcast of a scalar per logged
+    step, beside that step's metrics transfer), so all of them save the same steps: a save is a
+    collective. Restarted by every save, timer or scheduled."""
+
+    def __init__(self, minutes: float):
+        self.seconds = 60.0 * minutes
+        self.restart()
+
+    def restart(self):
+        self.last = timer_clock()
+
+    def due(self) -> bool:
+        if not self.seconds:
+            return False
+        due = timer_clock() - self.last >= self.seconds
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        return due
+
+
 class Checkpoints:
     def __init__(self, directory, keep: int = 3, read_only: bool = False):
         if paths.is_cloud(directory):
@@ -340,6 +369,8 @@ class Checkpoints:
             self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
         self.saved: int | None = None  # the step of the newest save started
+        self.every = self.log_every = 0  # no save is due before `schedule_saves`
+        self.timer = None
         self.manager = _listed(lambda: _Manager(
             self.directory,
             item_names=("state", "data", "config"),
@@ -381,6 +412,25 @@ class Checkpoints:
             ),
             metrics={"timer": int(timer)},
         )
+        if self.timer is not None:
+            self.timer.restart()  # every save, timer or scheduled
+
+    def schedule_saves(self, every: int, minutes: float, log_every: int):
+        """When `maybe_save` saves: every `every` steps (train.checkpoint_every) and the last;
+        else, at a step logged every `log_every`, once `minutes` (train.checkpoint_minutes) have
+        passed since the last save. The timer starts now."""
+        self.every, self.log_every, self.timer = every, log_every, SaveTimer(minutes)
+
+    def maybe_save(self, step: int, last: bool, write) -> bool:
+        """Save `step` if a save is due (`schedule_saves`): `write(timer)` writes it (the caller's:
+        it checks the state first, then calls `save`). Whether one was due."""
+        if step % self.every == 0 or last:
+            write(False)
+        elif step % self.log_every == 0 and self.timer.due():
+            write(True)
+        else:
+            return False
+        return True
 
     def timer_steps(self) -> list[int]:
         """The steps saved by train.checkpoint_minutes' timer (their `metrics` item says so)."""

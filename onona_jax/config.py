@@ -428,14 +428,14 @@ def _validate_training(cfg, need, defaults):
 # The keys a rerun on an existing workdir may change. Every other key changes the
 # parameters, the optimizer state or the data stream (the model, the optimizer and its
 # schedule, the data and its order, the validation windows), so a rerun that changes one is
-# a different run: train.py stops with exit 2 and names the differing keys. Listed in the
-# docs/training.md ("Resuming with a changed config").
+# a different run: train.py stops with exit 2 and names the differing keys
+# (train/resume.py, the one place that rules on a resume). Listed in the docs/training.md ("Resuming with a changed config").
 RESUMABLE_KEYS = (
     "name",                  # a label
-    "train.steps",           # the budget, while the WSD decay has not begun (loop.check_schedule)
-    "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (loop.check_same_data)
+    "train.steps",           # the budget, while the WSD decay has not begun (train/resume.py check_schedule)
+    "data.dir", "data.cache_dir",  # the same data elsewhere: its identity is compared (train/resume.py check_same_data)
     # Its weights may change (recorded in metrics.jsonl); its sources, by name and identity, not
-    # (loop.check_same_data)
+    # (train/resume.py check_same_data)
     "data.mixture",
     "data.bucket_read",      # copied or streamed: the same batches
     "data.read_threads", "data.prefetch",  # how the batches are read, not which
@@ -474,19 +474,6 @@ def flatten(d, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def resume_conflicts(saved, requested) -> list[tuple[str, object, object]]:
-    """(key, saved value, requested value) of every key outside RESUMABLE_KEYS that differs
-    (both compared as JSON, so 1e-3 equals 0.001; a key one side lacks is `<absent>`)."""
-    import json
-
-    def norm(c):
-        return flatten(json.loads(c.to_json() if isinstance(c, ml_collections.ConfigDict) else json.dumps(c)))
-
-    a, b = norm(saved), norm(requested)
-    return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
-            if k not in RESUMABLE_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>")]
 
 
 def from_saved(saved: dict, where: str = "") -> ml_collections.ConfigDict:

@@ -348,7 +348,7 @@ class Workdir:
 
         config.json          the run's config, at each start (train/loop.py; import_hf.py)
         checkpoints/         Orbax's steps, `checkpoints/corrupt/` set aside (checkpoint.py)
-        metrics.jsonl        one JSON object per logged step (train/loop.py `MetricsLog`)
+        metrics.jsonl        one JSON object per logged step (train/metrics.py `MetricsLog`)
         tensorboard/         the same scalars as TensorBoard event files
         profile/             `jax.profiler` traces (train.profile_start)
         data/                the bundled corpus, prepared here when data.dir is empty

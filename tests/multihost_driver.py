@@ -13,7 +13,7 @@ wraps two functions of this process only (no package code changes):
   refused unless it holds one batch per step.
 
 - `Checkpoints.save`: the steps this process saved, and which were timer saves;
-- with ONONA_TEST_STEP_SECONDS=<s>, `loop.timer_clock` (train.checkpoint_minutes' clock): on
+- with ONONA_TEST_STEP_SECONDS=<s>, `checkpoint.timer_clock` (train.checkpoint_minutes' clock): on
   process 0 it advances <s> seconds per step fed, on every other process it stands still, so
   a timer save happens at all only if every process takes process 0's decision.
 
@@ -48,6 +48,7 @@ def replace_everywhere(original, replacement) -> list[str]:
 def install_hooks():
     import jax
 
+    from onona_jax import checkpoint
     from onona_jax.checkpoint import Checkpoints
     from onona_jax.data import pipeline
     from onona_jax.train import loop, step  # every module that binds global_batch (the package's own
@@ -90,7 +91,7 @@ def install_hooks():
     if "ONONA_TEST_STEP_SECONDS" in os.environ:
         tick = float(os.environ["ONONA_TEST_STEP_SECONDS"])
         # (jax.process_index() only once train.py has joined the processes: asked at each call)
-        loop.timer_clock = lambda: tick * len(record["fed"]) if jax.process_index() == 0 else 0.0
+        checkpoint.timer_clock = lambda: tick * len(record["fed"]) if jax.process_index() == 0 else 0.0
 
     Checkpoints.save = recording_save
     pipeline.WindowSource.__getitem__ = recording_getitem

@@ -977,7 +977,7 @@ def test_a_start_refused_on_a_full_disk_leaves_nothing(tiny_data, run_dir, tmp_p
     before = tree_digest(disk)
     from onona_jax.data import storage
 
-    target = (loop, "check_writable") if moment == "checkpoints probe" else (storage, "verify_once")
+    target = (loop, "require_writable") if moment == "checkpoints probe" else (storage, "verify_once")
     real = getattr(*target)
 
     def full_then(*args, **kwargs):

@@ -14,7 +14,7 @@ import shutil
 import jax
 
 from conftest import tiny_config
-from onona_jax import train as trainer
+from onona_jax import checkpoint, train as trainer
 from onona_jax.checkpoint import Checkpoints
 from onona_jax.train import loop
 
@@ -59,7 +59,7 @@ def run(cfg, workdir, monkeypatch, keep_aside=None) -> list[tuple[int, bool, lis
         return save(self, step, *args, timer=timer)
 
     monkeypatch.setattr(loop, "global_batch", counting)
-    monkeypatch.setattr(loop, "timer_clock", lambda: 60.0 * steps_fed[0])
+    monkeypatch.setattr(checkpoint, "timer_clock", lambda: 60.0 * steps_fed[0])
     monkeypatch.setattr(Checkpoints, "save", recording)
     trainer.train(cfg, str(workdir), devices=jax.devices()[:1], progress=False)
     return saves
@@ -98,8 +98,8 @@ def test_timer_saves_are_deleted_after_the_next_save_and_resume_exactly(tiny_dat
 
 def test_timer_off_at_zero_and_restarted_by_every_save(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(loop, "timer_clock", lambda: now[0])
-    off, timer = loop.SaveTimer(0), loop.SaveTimer(2.5)
+    monkeypatch.setattr(checkpoint, "timer_clock", lambda: now[0])
+    off, timer = checkpoint.SaveTimer(0), checkpoint.SaveTimer(2.5)
     now[0] = 1e9
     assert not off.due() and timer.due()
     timer.restart()  # (what a save does)

@@ -48,10 +48,3 @@ __all__ = [
     "interrupted", "mesh", "quiet_libtpu", "reason", "run", "run_module", "seconds_from_env", "unwritable",
 ]
 
-
-def probe_writable(directory: str) -> None:
-    """TODO(issue 49, at the merge): delete once train/loop.py's `check_writable` asks
-    `unwritable` itself; until then its OSError carries `unwritable`'s reason."""
-    why = unwritable(directory)
-    if why:
-        raise OSError(why)

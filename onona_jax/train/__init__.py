@@ -1,6 +1,8 @@
 """Training: the run's fixed parts and the train state (`state`), the optimizer and WSD
-schedule (`optimizer`), the jitted step (`step`), upcycling a Standard run (`upcycling`) and
-the loop that resumes, logs, validates and checkpoints (`loop`).
+schedule (`optimizer`), the jitted step (`step`), upcycling a Standard run (`upcycling`),
+the loop that resumes and steps (`loop`) and the periodic actions after a step: logging,
+validation, saves (`actions`), with the run's clock (`clock`), metrics files (`metrics`),
+profiler (`profile`), start-up (`startup`) and resume rules (`resume`).
 
     from onona_jax import train
     train.train(cfg, workdir)          # what train.py runs
@@ -10,7 +12,9 @@ the loop that resumes, logs, validates and checkpoints (`loop`).
 # package: `python -m onona_jax.train.import_hf --help`, and the sweep (which imports `train.lock`),
 # then start without jax.
 _NAMES = {
-    "loop": ("NonFiniteLoss", "peak_tflops", "train"),
+    "actions": ("NonFiniteLoss",),
+    "clock": ("peak_tflops",),
+    "loop": ("train",),
     "state": ("Run", "abstract_train_state", "init_state", "setup"),
     "step": ("accumulated_grads", "global_batch", "loss_and_aux", "make_train_step"),
     "upcycling": ("upcycle",),

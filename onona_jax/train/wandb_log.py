@@ -1,6 +1,6 @@
 """Weights & Biases as a second logger beside TensorBoard (train.wandb_project; the `[wandb]`
 extra): the same scalars at the same steps, and the run's config. Process 0 only, made by
-`loop.MetricsLog`, which fans every logged step out to it.
+`metrics.MetricsLog`, which fans every logged step out to it.
 
 The W&B run's id is kept in `<workdir>/wandb_id` (written atomically before the run starts),
 so a rerun on the workdir (after a pre-emption) logs on into the same W&B run. Every scalar is
