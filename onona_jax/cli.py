@@ -48,6 +48,8 @@ import threading
 
 from absl import flags
 
+from onona_jax.library_logs import in_chain as _in_chain
+
 
 class Failure(RuntimeError):
     """An anticipated runtime failure (a failed write, a non-finite loss): exit status 1."""
@@ -161,18 +163,6 @@ def _unraisable(unraisable):
 
 
 _unraisable.previous = sys.unraisablehook  # the hook it calls: set where `_sigint_handling` installs it
-
-
-def _in_chain(hook, target) -> bool:
-    """Whether `target` is `hook` or below it in a chain of hooks that name the one they call
-    (`.previous`: ours do)."""
-    seen = set()
-    while hook is not None and id(hook) not in seen:
-        if hook is target:
-            return True
-        seen.add(id(hook))
-        hook = getattr(hook, "previous", None)
-    return False
 
 
 def _watch(fd: int):

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import chips, cli, compile_cache, paths, summary
-from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
+from onona_jax.checkpoint import Checkpoints
 from onona_jax.data import storage
 from onona_jax.eval.validation import Evaluator, variants
 from onona_jax.train import downstream
@@ -586,30 +586,27 @@ def train(cfg, workdir: str, devices=None, progress: bool = True) -> dict:
 
 
 def _train(cfg, run, workdir: str, progress: bool, data=None, startup=None, task_files=None) -> dict:
-    # The whole run, its failure and the waits after it inside the filter: Orbax's writers fail in
-    # their own threads, and a failure waits for them (`Checkpoints.stop`), so they report in here.
-    with without_orbax_tracebacks():
-        before = _entries(workdir)
-        held = {}  # what `_run` opened: "ckpts", "log", "bar", "profiler"; "stepping" once start-up is done
-        failed = True
-        try:
-            result = _run(cfg, run, workdir, progress, held, data, startup or cli.GracefulStop(), task_files)
-            failed = False
-            return result
-        finally:
-            for part in ("bar", "log"):
-                if part in held:
-                    held[part].close()
-            if "profiler" in held:  # a run that stops inside the traced range still leaves its trace
-                try:
-                    held["profiler"].stop()
-                except Exception as err:  # noqa: BLE001 - already stopping: the run's own error is reported
-                    print(f"warning: the profile was not written ({err})", file=sys.stderr)
-            ours = failed and _still_locked()  # (a lost lock: the workdir may be another run's now)
-            if failed and "ckpts" in held:
-                held["ckpts"].stop(remove=ours)  # the save in flight ends; failed saves' directories go
-            if ours and "stepping" not in held:
-                _remove_new(workdir, before)  # a refused start leaves the workdir as it found it
+    before = _entries(workdir)
+    held = {}  # what `_run` opened: "ckpts", "log", "bar", "profiler"; "stepping" once start-up is done
+    failed = True
+    try:
+        result = _run(cfg, run, workdir, progress, held, data, startup or cli.GracefulStop(), task_files)
+        failed = False
+        return result
+    finally:
+        for part in ("bar", "log"):
+            if part in held:
+                held[part].close()
+        if "profiler" in held:  # a run that stops inside the traced range still leaves its trace
+            try:
+                held["profiler"].stop()
+            except Exception as err:  # noqa: BLE001 - already stopping: the run's own error is reported
+                print(f"warning: the profile was not written ({err})", file=sys.stderr)
+        ours = failed and _still_locked()  # (a lost lock: the workdir may be another run's now)
+        if failed and "ckpts" in held:
+            held["ckpts"].stop(remove=ours)  # the save in flight ends; failed saves' directories go
+        if ours and "stepping" not in held:
+            _remove_new(workdir, before)  # a refused start leaves the workdir as it found it
 
 
 def _still_locked() -> bool:
