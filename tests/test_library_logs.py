@@ -4,12 +4,15 @@ failure stay off stderr, and the failure itself still reaches the user as the co
 subprocesses, so what the interpreter prints at exit counts too."""
 
 import logging
+import re
 import subprocess
 import sys
 import types
 
+import pytest
 from conftest import REPO
-from test_reliability import copy_run, damage_arrays, run_dir, train_env  # noqa: F401 - the fixtures
+from test_reliability import (ONE_DEVICE, argv, copy_run, damage_arrays, run_dir, tmpfs,  # noqa: F401 - fixtures
+                              train_env)
 
 from onona_jax import library_logs
 
@@ -45,6 +48,24 @@ def test_a_damaged_newest_step_is_one_warning_and_no_library_noise(copy_run, tmp
         "; left in place (this command only reads) and falling back to the one before"), p.stderr
     assert used == f"using checkpoint step 2 of {copy_run} (the newest readable one)", p.stderr
     assert wrote == f"wrote {tmp_path / 'eval.json'}", p.stderr
+
+
+@pytest.mark.slow  # ~1 min: train.py compiles and trains until its first save
+def test_a_save_onto_a_full_disk_is_its_one_error_line(tiny_data, tmp_path, tmpfs):  # noqa: F811 - the fixture
+    """train.py whose first checkpoint does not fit its disk: Orbax's writer threads fail (each
+    logs its traceback through absl) and TensorStore's writes still in flight call back into
+    their closed event loop (dozens of "Event loop is closed" tracebacks through sys.excepthook).
+    None of it is printed: stderr is the progress bar and the run's one `error:` line, exit 1."""
+    disk = tmpfs(tmp_path / "disk", "20m")  # the start-up fits, a checkpoint (~40 MB) does not
+    ckpts = disk / "run" / "checkpoints"
+    p = subprocess.run([sys.executable, "train.py", *argv(tiny_data, disk / "run", **ONE_DEVICE, **{"train.steps": 6})],
+                       cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stderr[-3000:]
+    [line] = [x for x in re.split(r"[\r\n]", p.stderr) if x.strip() and not x.startswith("dense-tiny-standard:")]
+    assert line.startswith(f"error: could not write a checkpoint (step 2) to {ckpts} (No space left on device; "
+                           "ValueError: RESOURCE_EXHAUSTED: Error writing ") and line.endswith(
+        "); stopping. The last good checkpoint (step none) is intact; free space or fix the directory's permissions, "
+        "then rerun the same command to resume"), p.stderr[-3000:]
 
 
 def record(pathname: str, level=logging.ERROR) -> logging.LogRecord:
