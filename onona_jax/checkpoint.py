@@ -9,9 +9,10 @@ cannot be read (a missing or damaged file, unparsable metadata), train.py moves 
 is tried. Read-only readers (`saved_config`, `restore_params`: evaluation, generation, export,
 analysis, serving) skip it in memory and leave `checkpoints/` exactly as it was; on a run that
 is training they read the newest step, and if its rotation deletes that step during the read,
-they list the steps again and read the newest, once. A readable
-checkpoint of a different model (names, shapes, dtypes) is never "corrupt": it is a
-`CheckpointMismatch` error naming the difference.
+they list the steps again and read the newest, once. A readable checkpoint of a different
+model (names, shapes, dtypes) is never "corrupt": it is a `CheckpointMismatch` error naming
+the difference. What Orbax and TensorStore print of a failure besides their exception stays off
+stderr (`library_logs`): the command reports it, in one line or one warning paragraph.
 
 Evaluation, serving, export and analysis restore the parameters only (`restore_params`):
 no optimizer state, no training run, so a read needs the parameters' memory and nothing more.
@@ -86,10 +87,10 @@ def _not_damage(err: BaseException) -> str | None:
 
 class _Manager(ocp.CheckpointManager):
     """Orbax's manager, listing a step whose `metrics` item cannot be read (a damaged
-    `<step>/metrics/metrics`: Orbax lists steps by reading it, and any error but
-    FileNotFoundError stopped every command, even eval.py, at the listing) as a step without
-    metrics: the metrics only say whether it was a timer save (`_timer_flag`), nothing a
-    restore needs, so the step counts as a scheduled save, as one saved before timer saves."""
+    `<step>/metrics/metrics`: Orbax lists steps by reading it, and raises any error but
+    FileNotFoundError, which would stop every command, even eval.py, at the listing) as a step
+    without metrics: the metrics only say whether it is a timer save (`_timer_flag`), nothing a
+    restore needs, so the step counts as a scheduled save, as one without a `metrics` item."""
 
     def _get_metrics(self, step: int):
         try:
@@ -100,8 +101,8 @@ class _Manager(ocp.CheckpointManager):
 
 
 def _timer_flag(metrics) -> float:
-    """1.0 for a timer save's step metrics, 0.0 for a scheduled save's (and for a step saved
-    before timer saves existed: no `metrics` item, None)."""
+    """1.0 for a timer save's step metrics, 0.0 for a scheduled save's (and for a step without a
+    `metrics` item: None)."""
     return float(bool((metrics or {}).get("timer")))
 
 
@@ -132,7 +133,7 @@ class Checkpoints:
         else:
             self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
-        library_logs.quiet_orbax()  # Orbax's and TensorStore's own reports of a failure the caller reports
+        library_logs.quiet_orbax()  # the libraries' own reports of a failure this module reports
         self.saved: int | None = None  # the step of the newest save started
         self.manager = _listed(lambda: _Manager(
             self.directory,
@@ -470,7 +471,7 @@ def _listed(list_steps, within_s: float = LISTING_RETRY_S):
     threads, so a step a live run's rotation deletes in between raises FileNotFoundError from
     that read. A fresh listing no longer holds it. Retried for `within_s` seconds, not a fixed
     number of times: a run saving every step on a loaded host can race several listings in a
-    row (CI's battery lost five tries). A listing still racing after that raises. (A missing
+    row. A listing still racing after that raises. (A missing
     checkpoints directory is no race: Orbax lists it as empty.)"""
     deadline, pause = time.monotonic() + within_s, 0.05
     while True:
