@@ -9,9 +9,10 @@ cannot be read (a missing or damaged file, unparsable metadata), train.py moves 
 is tried. Read-only readers (`saved_config`, `restore_params`: evaluation, generation, export,
 analysis, serving) skip it in memory and leave `checkpoints/` exactly as it was; on a run that
 is training they read the newest step, and if its rotation deletes that step during the read,
-they list the steps again and read the newest, once. A readable
-checkpoint of a different model (names, shapes, dtypes) is never "corrupt": it is a
-`CheckpointMismatch` error naming the difference.
+they list the steps again and read the newest, once. A readable checkpoint of a different
+model (names, shapes, dtypes) is never "corrupt": it is a `CheckpointMismatch` error naming
+the difference. What Orbax and TensorStore print of a failure besides their exception stays off
+stderr (`library_logs`): the command reports it, in one line or one warning paragraph.
 
 Evaluation, serving, export and analysis restore the parameters only (`restore_params`):
 no optimizer state, no training run, so a read needs the parameters' memory and nothing more.
@@ -24,24 +25,19 @@ the marker first, so a step is never lost and never half-listed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import os
-import re
 import sys
-import tempfile
 import threading
 import time
-import traceback
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from onona_jax import cli, paths
+from onona_jax import cli, library_logs, paths
 
 
 class CheckpointMismatch(ValueError):
@@ -77,135 +73,6 @@ def short_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:300]}"
 
 
-class _WithoutOrbaxTracebacks:
-    """sys.stderr, less the tracebacks Orbax's writer threads print when a save fails (and
-    the "Event loop is closed" ones TensorStore's callbacks add): the loop reports the failure
-    itself, in one line. Every other line, and every other traceback, passes unchanged."""
-
-    def __init__(self, stream):
-        self.stream, self.block, self.partial = stream, None, ""
-        self.lock = threading.Lock()
-
-    HEADERS = ("Traceback (most recent call last):", "Exception ignored in")
-
-    def write(self, text: str) -> int:
-        with self.lock:  # whole lines only inside a traceback (C code writes one in pieces)
-            out, data, self.partial = [], self.partial + text, ""
-            for piece in data.splitlines(keepends=True):
-                complete = piece.endswith(("\n", "\r"))
-                if self.block is None:
-                    if not complete and any(h.startswith(piece) or piece.startswith(h) for h in self.HEADERS):
-                        self.partial = piece  # maybe a header: wait for the rest of the line
-                    elif piece.startswith(self.HEADERS):
-                        self.block = [piece]
-                    else:
-                        out.append(piece)
-                    continue
-                if not complete:
-                    self.partial = piece
-                    continue
-                self.block.append(piece)
-                if piece[:1] not in (" ", "\t") and len(self.block) > 2:
-                    block, self.block = "".join(self.block), None  # its last line: "Error: ..."
-                    if "/orbax/" not in block and "Event loop is closed" not in block:
-                        out.append(block)
-            if out:
-                self.stream.write("".join(out))
-        return len(text)
-
-    def flush(self):
-        self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-class _NoOrbaxRecords(logging.Filter):
-    """Drops log records about Orbax's writers: its own (each failed writer thread logs its
-    traceback) and asyncio's "Task exception was never retrieved" for an Orbax coroutine,
-    whose message and traceback name orbax while the record's pathname is asyncio's. Filters
-    on handlers too, since a handler made before the scope writes to the real stderr."""
-
-    def filter(self, record):
-        text = record.pathname + "\n" + record.getMessage()
-        if record.exc_info and record.exc_info[2] is not None:
-            text += "".join(traceback.format_tb(record.exc_info[2]))
-        return "/orbax/" not in text.replace(os.sep, "/")
-
-
-def _drop_orbax_task_reports():
-    """From now on, drop asyncio's reports of failed Orbax coroutines: a failed save's tasks
-    are finalized whenever the collector gets to them, maybe after the reporting scope ended
-    (how one reached CI's stderr). Every other asyncio record passes."""
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _NoOrbaxRecords) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_NoOrbaxRecords())
-
-
-@contextlib.contextmanager
-def without_orbax_tracebacks():
-    """For a training run: Orbax's asynchronous writers fail in their own threads. The scope
-    must include the wait for those threads (train's failure path: `Checkpoints.stop`): a
-    report printed after it ends passes unfiltered, and a writer still running at interpreter
-    exit fails again with "Event loop is closed" and "cannot schedule new futures after
-    interpreter shutdown" (how those tracebacks escaped when the filter covered the loop alone).
-
-    A failed save also ends its thread's event loop while some of its TensorStore writes are
-    still in flight; their completion callbacks then find the loop closed, and TensorStore
-    reports each through sys.excepthook (PyErr_Print), from its own threads, several at once:
-    interleaved text no line filter can take apart. Those exceptions are dropped at the hook
-    (`_closed_loop_callback`: exactly that error, raised in `call_soon_threadsafe`)."""
-    previous, records = sys.stderr, _NoOrbaxRecords()
-    _drop_orbax_task_reports()
-    hooks = sys.excepthook, sys.unraisablehook
-
-    def excepthook(kind, value, tb):
-        if not _closed_loop_callback(value, tb):
-            hooks[0](kind, value, tb)
-
-    def unraisablehook(unraisable):
-        if not _closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
-            hooks[1](unraisable)
-
-    sys.stderr = _WithoutOrbaxTracebacks(previous)
-    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
-    loggers = [logging.getLogger(n) for n in ("absl", "")]
-    for lg in loggers:
-        lg.addFilter(records)
-        for handler in lg.handlers:
-            handler.addFilter(records)
-    try:
-        yield
-    finally:
-        sys.stderr = previous
-        sys.excepthook, sys.unraisablehook = hooks
-        for lg in loggers:
-            lg.removeFilter(records)
-            for handler in lg.handlers:
-                handler.removeFilter(records)
-
-
-def _closed_loop_callback(err, tb) -> bool:
-    """True for asyncio's RuntimeError('Event loop is closed') raised in `call_soon_threadsafe`:
-    a completion callback into an event loop that already ended."""
-    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
-        return False
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _failed_read(err: BaseException | None) -> bool:
-    """True for the error of one array read of a damaged checkpoint (Orbax's wrapper, or
-    TensorStore's own status: 'OUT_OF_RANGE: Error opening "zarr" driver: Error reading ...'),
-    or for a read's completion callback into its closed event loop."""
-    text = str(err)
-    return ("Encountered error while reading array" in text or "Event loop is closed" in text
-            or bool(re.match(r'[A-Z_]+: Error (opening|reading) "', text)))
-
-
 def _not_damage(err: BaseException) -> str | None:
     """Why a failed read of a step says nothing about its files, or None: memory ran out
     (host or device), or the files are there but this user may not read them. Such a step may
@@ -220,10 +87,10 @@ def _not_damage(err: BaseException) -> str | None:
 
 class _Manager(ocp.CheckpointManager):
     """Orbax's manager, listing a step whose `metrics` item cannot be read (a damaged
-    `<step>/metrics/metrics`: Orbax lists steps by reading it, and any error but
-    FileNotFoundError stopped every command, even eval.py, at the listing) as a step without
-    metrics: the metrics only say whether it was a timer save (`_timer_flag`), nothing a
-    restore needs, so the step counts as a scheduled save, as one saved before timer saves."""
+    `<step>/metrics/metrics`: Orbax lists steps by reading it, and raises any error but
+    FileNotFoundError, which would stop every command, even eval.py, at the listing) as a step
+    without metrics: the metrics only say whether it is a timer save (`_timer_flag`), nothing a
+    restore needs, so the step counts as a scheduled save, as one without a `metrics` item."""
 
     def _get_metrics(self, step: int):
         try:
@@ -233,82 +100,9 @@ class _Manager(ocp.CheckpointManager):
         return metrics if isinstance(metrics, dict) else None
 
 
-class _NoFailedReadTasks(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for a failed read's tasks: Orbax
-    gathers one task per array, the first failure ends the read, and a sibling that failed
-    too is reported whenever the collector finalizes it (at exit, after the one error line)."""
-
-    def filter(self, record):
-        err = record.exc_info[1] if record.exc_info else None
-        return not (record.getMessage().startswith("Task exception was never retrieved") and _failed_read(err))
-
-
-def _drop_orbax_leftovers():
-    """From now on, drop the reports of a failed Orbax read's coroutines and tasks finalized
-    late: "Exception ignored in <coroutine ...>" (each dumps a TensorStore spec) and asyncio's
-    never-retrieved task exceptions. Every other unraisable exception and asyncio record is
-    reported as before."""
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _NoFailedReadTasks) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_NoFailedReadTasks())
-    previous = sys.unraisablehook
-    if getattr(previous, "onona_filter", False):
-        return
-
-    def hook(unraisable):
-        where = f"{getattr(unraisable.object, '__qualname__', '')} {unraisable.object!r}"
-        if _failed_read(unraisable.exc_value) or "orbax" in where or "_read_array" in where:
-            return
-        previous(unraisable)
-
-    hook.onona_filter, hook.previous = True, previous  # (`.previous`: cli's hook finds itself below)
-    sys.unraisablehook = hook
-
-
-@contextlib.contextmanager
-def quiet():
-    """Absorb what a failing Orbax restore prints besides its exception (its own and asyncio's
-    loggers, event-loop tracebacks and TensorStore dumps written straight to fd 2): the caller
-    reports the failure in one paragraph instead."""
-    loggers = [logging.getLogger(n) for n in ("", "absl", "asyncio", "orbax", "jax")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
-    sys.stderr.flush()
-    saved_fd = os.dup(2)
-    sink = tempfile.TemporaryFile()
-    os.dup2(sink.fileno(), 2)
-    failed = True
-    try:
-        yield
-        failed = False
-    except BaseException as err:
-        # The failed read's coroutines live on in the traceback's frames and print their own
-        # errors (with TensorStore specs) when finalized, at exit: finalize them now, here,
-        # and drop the reports of any that outlive this (`_drop_orbax_leftovers`).
-        traceback.clear_frames(err.__traceback__)
-        _drop_orbax_leftovers()
-        raise
-    finally:
-        if failed:  # TensorStore callbacks keep printing into Orbax's closed event loop for a moment
-            import gc
-
-            gc.collect()
-            size, deadline = -1, time.monotonic() + 5.0
-            while size != os.fstat(sink.fileno()).st_size and time.monotonic() < deadline:
-                size = os.fstat(sink.fileno()).st_size
-                time.sleep(0.5)
-        sys.stderr.flush()
-        os.dup2(saved_fd, 2)
-        os.close(saved_fd)
-        sink.close()
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
 def _timer_flag(metrics) -> float:
-    """1.0 for a timer save's step metrics, 0.0 for a scheduled save's (and for a step saved
-    before timer saves existed: no `metrics` item, None)."""
+    """1.0 for a timer save's step metrics, 0.0 for a scheduled save's (and for a step without a
+    `metrics` item: None)."""
     return float(bool((metrics or {}).get("timer")))
 
 
@@ -368,6 +162,7 @@ class Checkpoints:
         else:
             self.directory = epath.Path(os.path.abspath(directory))
         self.read_only = read_only
+        library_logs.quiet_orbax()  # the libraries' own reports of a failure this module reports
         self.saved: int | None = None  # the step of the newest save started
         self.every = self.log_every = 0  # no save is due before `schedule_saves`
         self.timer = None
@@ -452,8 +247,7 @@ class Checkpoints:
         reports its own), wait up to `timeout` s more for Orbax's other writer threads (a
         failed save's per-item threads), then, if `remove` (the caller still holds the workdir's
         lock), remove the temporaries of failed saves (`remove_unfinished`), so a full disk is
-        not kept full. A writer left running at exit would print "Event loop is closed"
-        tracebacks (`without_orbax_tracebacks`)."""
+        not kept full. A writer left running at exit would fail again as the interpreter ends."""
         try:
             self.manager.wait_until_finished()
         except Exception:  # noqa: BLE001 - already failing: that error is the one reported
@@ -495,15 +289,14 @@ class Checkpoints:
 
     def restore(self, step: int, abstract_state):
         """(state, data_state, config dict) at `step`, placed as `abstract_state`'s shardings say."""
-        with quiet():
-            out = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=ocp.args.JsonRestore(),
-                    config=ocp.args.JsonRestore(),
-                ),
-            )
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+                config=ocp.args.JsonRestore(),
+            ),
+        )
         data = out["data"]
         if not isinstance(data, dict) or data.get("step", step) != step:
             # e.g. another step's data/metadata copied over this one's: resuming would replay batches
@@ -521,16 +314,15 @@ class Checkpoints:
         else:
             arg = lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)  # noqa: E731
         restore_args = jax.tree.map(arg, abstract_params)
-        with quiet():
-            out = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        item={"params": abstract_params}, restore_args={"params": restore_args},
-                        partial_restore=True,
-                    ),
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item={"params": abstract_params}, restore_args={"params": restore_args},
+                    partial_restore=True,
                 ),
-            )
+            ),
+        )
         params = out["state"]["params"]
         if via_host:
             flat, treedef = jax.tree.flatten(params)
@@ -542,8 +334,7 @@ class Checkpoints:
         return params
 
     def restore_config(self, step: int) -> dict:
-        with quiet():
-            return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
     def newest_config(self) -> tuple[int, dict] | None:
         """(step, saved config dict) of the newest step whose config reads, or None (no file
@@ -559,11 +350,10 @@ class Checkpoints:
         """Raise CheckpointMismatch when the saved parameters' names, shapes or dtypes differ
         from `abstract_params` (read from the metadata, no array read); an unreadable metadata
         file raises its read error (the checkpoint is then unreadable, not mismatched)."""
-        with quiet():  # (the check inside, so a failure waits out TensorStore's noise too)
-            meta = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state")
-            tree = getattr(meta, "item_metadata", meta)
-            if tree is None or "params" not in tree:
-                raise OSError(f"no readable array metadata in {self.directory}/{step}/state")
+        meta = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state")
+        tree = getattr(meta, "item_metadata", meta)
+        if tree is None or "params" not in tree:
+            raise OSError(f"no readable array metadata in {self.directory}/{step}/state")
         saved = _leaves(tree["params"])
         wanted = _leaves(abstract_params)
         problems = [f"{k}: missing from the checkpoint" for k in wanted if k not in saved]
@@ -731,7 +521,7 @@ def _listed(list_steps, within_s: float = LISTING_RETRY_S):
     threads, so a step a live run's rotation deletes in between raises FileNotFoundError from
     that read. A fresh listing no longer holds it. Retried for `within_s` seconds, not a fixed
     number of times: a run saving every step on a loaded host can race several listings in a
-    row (CI's battery lost five tries). A listing still racing after that raises. (A missing
+    row. A listing still racing after that raises. (A missing
     checkpoints directory is no race: Orbax lists it as empty.)"""
     deadline, pause = time.monotonic() + within_s, 0.05
     while True:

@@ -256,13 +256,13 @@ def test_unraisable_hooks_chain_without_a_circle(monkeypatch):
     CI worker's exit). An unraisable exception reaches the hook below them all once."""
     import types
 
-    from onona_jax import checkpoint, cli
+    from onona_jax import cli, library_logs
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(type(u.exc_value).__name__))
     for _ in range(3):
         with cli.signals.sigint_handling():
-            checkpoint._drop_orbax_leftovers()
+            library_logs.quiet_orbax()
     sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"), exc_traceback=None,
                                              err_msg=None, object=None))
     assert seen == ["ValueError"]

@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from onona_jax.library_logs import in_chain as _in_chain
+
 INTERRUPTED = 130  # the exit status of a command stopped by SIGINT (128 + 2, as a shell reports it)
 
 
@@ -125,18 +127,6 @@ def _unraisable(unraisable):
 
 
 _unraisable.previous = sys.unraisablehook  # the hook it calls: set where `sigint_handling` installs it
-
-
-def _in_chain(hook, target) -> bool:
-    """Whether `target` is `hook` or below it in a chain of hooks that name the one they call
-    (`.previous`: ours do)."""
-    seen = set()
-    while hook is not None and id(hook) not in seen:
-        if hook is target:
-            return True
-        seen.add(id(hook))
-        hook = getattr(hook, "previous", None)
-    return False
 
 
 def _watch(fd: int):

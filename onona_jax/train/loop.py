@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from onona_jax import cli, compile_cache, paths, summary
-from onona_jax.checkpoint import Checkpoints, without_orbax_tracebacks
+from onona_jax.checkpoint import Checkpoints
 from onona_jax.eval.validation import Evaluator, variants
 from onona_jax.train import actions, downstream
 from onona_jax.train.actions import Preemption, StopRun
@@ -86,9 +86,6 @@ class Trainer:
 
     def train(self, resources: contextlib.ExitStack, progress: bool) -> dict:
         """Open the run's resources into `resources`, then train."""
-        # The whole run, its failure and the waits after it inside the filter: Orbax's writers fail in
-        # their own threads, and a failure waits for them (`Checkpoints.stop`), so they report in here.
-        resources.enter_context(without_orbax_tracebacks())
         resources.push(self._roll_back_refused_start(existing_entries(self.workdir)))
         self._prepare()
         self._restore(resources)

@@ -37,8 +37,8 @@ class WandbLog:
                               "writable (or free space), then rerun the same command") from None
         self.id = run_id
         try:
-            # console="off": W&B would otherwise wrap sys.stdout and sys.stderr, which the run's
-            # own filter of Orbax's writer tracebacks replaces (checkpoint.without_orbax_tracebacks).
+            # console="off": W&B would otherwise wrap sys.stdout and sys.stderr to upload them; the
+            # run's output stays the process's own.
             self.run = wandb.init(project=cfg.train.wandb_project, id=run_id, resume="allow",
                                   name=cfg.name or None, dir=local_dir(workdir),
                                   settings=wandb.Settings(console="off"))
