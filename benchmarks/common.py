@@ -17,8 +17,8 @@ The scripts: bench.py (one device: step memory, FLOPs and time, data pipeline, d
 MoE dispatch, compile time and cache, data preparation, the program's fingerprint), peer.py
 (against PyTorch on the CPU: the whole step, its parts, a per-op profile), serve_bench.py
 (serving engines side by side, the server's restore memory; serve_bench_vllm.py is its child in
-the vLLM venv), device_check.py (the prepared accelerator run, scripts/device_check.sh) and
-faults.py (the fault battery, tests/test_faults.py).
+the vLLM venv), device_check.py (the prepared accelerator run, scripts/device_check.sh). The fault battery
+(tests/battery/) runs through `run` too.
 """
 
 from __future__ import annotations

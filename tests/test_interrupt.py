@@ -3,7 +3,7 @@
 in flight finished and saved, one line saying which, exit 130) and with one `error: interrupted;`
 line elsewhere (nothing partial left); the second exits at once with one line. Never a
 traceback, never a hang. Real subprocesses, signalled at start-up, mid-step, during a save and
-during the first step's compile; the battery (`benchmarks/faults.py --groups=interrupt`) adds
+during the first step's compile; the battery (`python -m tests.battery --groups=interrupt`) adds
 validation, eval.py, export, generate, import_hf and the sweep.
 """
 
@@ -23,7 +23,7 @@ from test_resume import metrics as rows  # metrics.jsonl's whole lines
 
 CONFIG = "configs/paper.py:dense-tiny-twin"
 STEPS = 10
-# benchmarks/faults.py's BASE on one device; a checkpoint every 3 steps (all kept), so that a
+# the fault battery's BASE (tests/battery/harness.py) on one device; a checkpoint every 3 steps (all kept), so that a
 # stop mid-run saves a step of its own.
 OVERRIDES = {
     "data.seq_len": 32, "model.n_heads": 8, "model.n_kv_heads": 4, "model.head_dim": 8,
