@@ -23,7 +23,7 @@ from onona_jax import config as config_lib
 from onona_jax import models as model_lib
 from onona_jax.serve import export, generate, hf_format
 from onona_jax.train import import_hf
-from test_reliability import copy_run, errors, run_dir, tree_digest  # noqa: F401 - the fixtures
+from run_fixtures import copy_run, errors, run_dir, tree_digest  # noqa: F401 - the fixtures
 
 
 def one_error(capfd) -> str:

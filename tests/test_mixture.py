@@ -269,7 +269,7 @@ def test_a_mixture_run_logs_tokens_and_validation_per_source_and_eval_reports_th
     the run's final validation."""
     from eval import evaluate
     from onona_jax import train as trainer
-    from test_reliability import tensorboard_scalars
+    from test_storage_faults import tensorboard_scalars
 
     cfg = tiny_config("", "standard", steps=4, eval_every=2, checkpoint_every=2)
     cfg.data.mixture = spec(sources)

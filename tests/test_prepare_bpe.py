@@ -20,7 +20,7 @@ from onona_jax import tokenizer as tokenizer_lib
 from onona_jax.data import pipeline
 from onona_jax.data.prepare import _doc_hash, main as prepare_main, prepare
 from test_prepare_formats import bucket  # noqa: F401 - the fixture
-from test_reliability import errors
+from run_fixtures import errors
 
 HELDOUT = 0.1
 ENTRIES = 500  # not a multiple of 128: the model's table rounds it up to 512

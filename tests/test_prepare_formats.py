@@ -547,7 +547,7 @@ def test_truncated_manifest_is_named(reference, tmp_path):
 
 def test_local_shards_are_verified_once_per_change(tiny_data, tmp_path):
     """A local data dir's shards are hashed against the manifest once, then again only when
-    their size or mtime changes (the workdir's record; tests/test_reliability.py has more), and
+    their size or mtime changes (the workdir's record; tests/test_resume_compatibility.py has more), and
     a shard replaced by other ids of the same size is refused by name (issue: it trained
     silently)."""
     import shutil

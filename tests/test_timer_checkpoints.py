@@ -125,7 +125,7 @@ def test_keep_checkpoints_counts_scheduled_saves_only(tmp_path):
 
 
 def test_negative_checkpoint_minutes_is_refused_before_any_write(tiny_data, tmp_path):
-    """(The command line's one error line: tests/test_reliability.py BAD_VALUES.)"""
+    """(The command line's one error line: tests/test_config_validation.py BAD_VALUES.)"""
     from test_bad_input import assert_rejected
 
     cfg = config(tiny_data)

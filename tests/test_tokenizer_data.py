@@ -23,7 +23,7 @@ from onona_jax.data import pipeline, storage
 from onona_jax.data.prepare import _doc_hash, main as prepare_main, prepare
 from onona_jax.data.stream import StreamStore
 from test_prepare_formats import bucket, upload  # noqa: F401 - the fixture
-from test_reliability import errors
+from run_fixtures import errors
 
 HELDOUT = 0.1
 

@@ -125,7 +125,7 @@ def test_wandb_logs_the_scalars_and_resumes_the_same_run(tiny_data, tmp_path, mo
 def test_wandb_without_the_package_is_refused_before_any_write(tiny_data, tmp_path, monkeypatch, capfd):
     import train as train_cli
     from test_bad_input import assert_rejected
-    from test_reliability import argv, errors
+    from run_fixtures import argv, errors
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import and find_spec fail
     assert_rejected(config(tiny_data), tmp_path, "train.wandb_project='onona-test'", "pip install -e '.[wandb]'")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = f"{REPO}/configs/paper.py:dense-tiny-twin"
-# The tiny twin model on one device with 8 x 32-token batches (tests/test_reliability.py's).
+# The tiny twin model on one device with 8 x 32-token batches (tests/run_fixtures.py's).
 BASE = {
     "data.seq_len": 32, "model.n_heads": 8, "model.n_kv_heads": 4, "model.head_dim": 8,
     "train.global_batch": 8, "train.micro_batch": 8, "train.steps": 4, "train.warmup_steps": 2,
