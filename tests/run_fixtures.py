@@ -8,7 +8,7 @@ Fast tests call the entry points in-process (`train.main(argv)`, `eval.main(argv
 codes) on that run, and hold workdir locks from small subprocesses (test_lock's `HOLD`: lock.py
 alone, no jax). Tests that need real training run train.py in a subprocess (`train_env`): the
 two-process lock test and the storage-fault run on a tmpfs are slow (`python -m pytest -q -m slow
-tests/test_lock.py tests/test_storage_faults.py`).
+tests/integration/test_lock.py tests/integration/test_storage_faults.py`).
 A test module takes the fixtures it uses by importing them (`from run_fixtures import copy_run, run_dir`).
 """
 

@@ -20,7 +20,7 @@ On `--stores=gcs` the workdir is a bucket on the local GCS emulator (tests/fake_
 
 It prints one line per case and cycle, then `N cases tried, M held`, and exits 1 if any did not
 hold. Cases that need what this machine does not allow (root for `mount`/`chattr`, `unshare`)
-are reported as skipped, with the reason. `tests/test_faults.py` (slow) runs it in CI.
+are reported as skipped, with the reason. `tests/battery/test_faults.py` (slow) runs it in CI.
 
 Every subprocess shares a JAX compilation cache in the battery's temporary directory, so the
 tiny model compiles once and each command costs little more than its imports.

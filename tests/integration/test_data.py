@@ -15,7 +15,7 @@ from onona_jax.data import TokenStore, WindowSource, ensure_bundled_data, train_
 from onona_jax.data.prepare import heldout_mask, main, prepare
 from onona_jax.tokenizer import EOT, bundled_corpus_path, decode, encode, get_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_docs(n, seed=0):

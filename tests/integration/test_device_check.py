@@ -48,7 +48,7 @@ def test_device_check_usage_error(tmp_path):
 
 @pytest.mark.slow
 def test_device_check_dry_run_all(tmp_path):
-    """Every variant compiled and stepped (run: pytest -m slow tests/test_device_check.py)."""
+    """Every variant compiled and stepped (run: pytest -m slow tests/integration/test_device_check.py)."""
     p = _run(tmp_path, "--dry_run_all", "--budget_s=3000")  # all 13, however loaded the host
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "device_check.json").read_text())

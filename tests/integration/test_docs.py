@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BLOCK_TIMEOUT_S = 120  # a block's commands together
 MARKER = re.compile(r"^<!--\s*quick\b(?P<rest>.*?)-->\s*$")
 EXPECT = re.compile(r'"([^"]+)"')

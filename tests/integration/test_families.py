@@ -83,7 +83,7 @@ def test_sharded_equals_single_device(tiny_data, arch, mesh):
     also with its 8 experts over a 4-way expert axis (tensor 2 × expert 4: the grouped dispatch's
     all-to-all). Heads 8, KV 4, GDN heads 4, FFN 192 and MoE expert width 96 all divide
     tensor = 4. (Dense on (1, 2, 4) and more meshes:
-    tests/test_train.py::test_equal_losses_across_meshes.)
+    tests/integration/test_train.py::test_equal_losses_across_meshes.)
 
     The sharded run starts from the one-device run's initial state placed on the mesh (a
     sharded init gives the same values, being keyed by path: test_train.py); this saves
@@ -156,7 +156,7 @@ def _xla_forward_flops(cfg, B, T):
 @pytest.mark.parametrize("arch", ["moe", "gdn", "attnres"])
 def test_flops_formula_matches_xla_cost_analysis(arch):
     """Our forward FLOPs per token against XLA's count of the compiled forward pass, for the
-    whole model (head-dominated at tiny sizes, as tests/test_model.py does for Dense) and for
+    whole model (head-dominated at tiny sizes, as tests/unit/test_model.py does for Dense) and for
     the trunk alone (where each family's own terms are 1-25 % of the count). XLA also counts
     elementwise work, hence one-sided margins; unscanned and with the plain loss, since XLA
     counts a scan body once, not once per iteration.

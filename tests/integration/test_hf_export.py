@@ -8,7 +8,7 @@ both sides, the differences are summation order), the same greedy continuations 
 `serving.Server.generate(greedy=True)` on three prompts, and read back bit-exactly. The
 default suite runs dense-twin (and lm-evaluation-harness on it); the rest of the grid is `slow`:
 
-    python -m pytest -q -m '' tests/test_hf_export.py
+    python -m pytest -q -m '' tests/integration/test_hf_export.py
 """
 
 import ast

@@ -29,7 +29,7 @@ from onona_jax.data.pipeline import TokenStore
 from onona_jax.data.prepare import heldout_mask, main, prepare
 from onona_jax.tokenizer import EOT, bundled_corpus_path, encode
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = make_docs(40, seed=4)
 FRACTION, SEED = 0.25, 1
 
@@ -547,7 +547,7 @@ def test_truncated_manifest_is_named(reference, tmp_path):
 
 def test_local_shards_are_verified_once_per_change(tiny_data, tmp_path):
     """A local data dir's shards are hashed against the manifest once, then again only when
-    their size or mtime changes (the workdir's record; tests/test_resume_compatibility.py has more), and
+    their size or mtime changes (the workdir's record; tests/integration/test_resume_compatibility.py has more), and
     a shard replaced by other ids of the same size is refused by name (issue: it trained
     silently)."""
     import shutil

@@ -12,7 +12,7 @@ import pytest
 from onona_jax.experiments import report
 from onona_jax.experiments import sweep
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER = sweep.load_paper_configs(REPO)
 
 

@@ -4,7 +4,7 @@ once a later save is complete (never before), by a resumed run too; and a run re
 timer save trains on bit for bit as the uninterrupted run did.
 
 In-process on one device: every run here compiles the same program in the same process, so
-"bit for bit" compares like with like (tests/test_resume.py says why its runs are subprocesses).
+"bit for bit" compares like with like (tests/integration/test_resume.py says why its runs are subprocesses).
 """
 
 import json
@@ -125,7 +125,7 @@ def test_keep_checkpoints_counts_scheduled_saves_only(tmp_path):
 
 
 def test_negative_checkpoint_minutes_is_refused_before_any_write(tiny_data, tmp_path):
-    """(The command line's one error line: tests/test_config_validation.py BAD_VALUES.)"""
+    """(The command line's one error line: tests/integration/test_config_validation.py BAD_VALUES.)"""
     from test_bad_input import assert_rejected
 
     cfg = config(tiny_data)

@@ -29,7 +29,7 @@ about 2 minutes): 134 s for both (twin 97 s, of which vLLM 76 s: 200,000 draws 3
 30 s one-projection; the other exports 35 s); 138 to 159 s while another job ran. On 2026-12-06,
 idle: tensor parallelism 65 s, the benchmark's quick run 55 s.
 
-    ONONA_VLLM_VENV=/tmp/vllm-venv python -m pytest -q -m slow tests/test_vllm_e2e.py
+    ONONA_VLLM_VENV=/tmp/vllm-venv python -m pytest -q -m slow tests/integration/test_vllm_e2e.py
 """
 
 import json

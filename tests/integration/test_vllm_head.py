@@ -2,7 +2,7 @@
 vLLM: the input id carried in the hidden rows, the mixture log-probs (against float64 and
 against `Server.log_probs` through an export's own tensors), the export -> vLLM weight plan of
 real exports, the one-projection request check and component draws. The plugin end to end
-(vLLM itself) is tests/test_vllm_e2e.py (slow)."""
+(vLLM itself) is tests/integration/test_vllm_e2e.py (slow)."""
 
 import json
 import os

@@ -2,7 +2,7 @@
 assignment against the shardings, the collective-bytes reader, and the does-not-fit path.
 
 Needs libtpu (`pip install -e '.[tpu-aot]'`; the README's test command installs it). The 142M
-compiles are `slow` (about 2 minutes of CPU each):  python -m pytest -q -m slow tests/test_aot.py
+compiles are `slow` (about 2 minutes of CPU each):  python -m pytest -q -m slow tests/unit/test_aot.py
 """
 
 import dataclasses
@@ -21,7 +21,7 @@ from onona_jax.aot.topology import (SLICES, GiB, compiler_missing, cudnn_missing
 
 needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason="libtpu missing: pip install -e '.[tpu-aot]'")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @needs_libtpu
@@ -375,7 +375,7 @@ def test_collective_bytes_split_within_and_across_slices():
     assert set(links["cross_slice"].values()) == {0}
 
 
-@pytest.mark.slow  # suite-time margin (cover: test_mesh's two-slice mesh, test_collective_bytes_split_within_and_across_slices)
+@pytest.mark.slow  # suite-time margin (cover: test_sharding's two-slice mesh, test_collective_bytes_split_within_and_across_slices)
 @needs_libtpu
 def test_two_slice_compile_keeps_parameter_gathers_within_a_slice():
     """2 × v5e-4, FSDP over each slice (mesh.slices=2, data=1, fsdp=-1): the data axis spans the

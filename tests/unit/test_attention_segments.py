@@ -8,7 +8,7 @@ zeros and the row maximum is the document's own, so both sides form the same ter
 order of the key sums differs (another vector alignment, a longer reduction padded with zeros;
 for splash other tiles of its online softmax), a few fp32 ulps of the largest value: 2e-6 of it
 (measured: at most 2.1e-7 for XLA, 1.1e-7 for splash, values and gradients). Splash against XLA
-(the sharded test) is 1e-5 of the largest, as tests/test_attention.py allows it.
+(the sharded test) is 1e-5 of the largest, as tests/unit/test_attention.py allows it.
 """
 
 import re

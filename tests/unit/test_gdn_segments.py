@@ -8,7 +8,7 @@ of the document, and with q = k = v = 0, g = 0, β = 0 no state either), and the
 recurrence (or the layer) runs once over that batch. Gathers map the packed inputs to that
 batch and its outputs back, so the gradients of the reference are w.r.t. the packed inputs too.
 
-Tolerance: TOL_HIGHEST of tests/test_gdn.py (1e-5 of max(1, largest entry)), the tolerance of
+Tolerance: TOL_HIGHEST of tests/unit/test_gdn.py (1e-5 of max(1, largest entry)), the tolerance of
 its chunked-vs-naive test at `highest`. Everything here is fp32 at `highest`, and the packed
 chunked form is that same comparison: a packed document is a chunked computation whose chunks
 start at other offsets than the document's own, with masks that are exact (products with 0, exp

@@ -5,7 +5,7 @@ head module's `nll` fused against plain; the compiled MoS train step holds no
 [tokens, V] fp32 buffer, nor the one-table ablation's validation step (model.loss_token_tile).
 
 Tolerances (fp32, `jax_default_matmul_precision=highest`): loss within 1e-5 relative; a
-gradient within 1e-5 × its largest entry, elementwise (test_fused.py's docstring explains
+gradient within 1e-5 × its largest entry, elementwise (test_loss_vocab.py's docstring explains
 why the bound is relative to scale); log p within 1e-5 absolute. Measured: ≤ 6e-7.
 """
 
@@ -218,7 +218,7 @@ def test_mos_train_step_holds_no_token_by_vocab_buffer(tiny_data):
 @pytest.mark.slow
 def test_mos_memory_bound_separates_plain(tiny_data):
     """The bound above can fail: the plain MoS step holds K [tokens, V] logits and their
-    gradients. Run: pytest -m slow tests/test_fused_mixture.py"""
+    gradients. Run: pytest -m slow tests/unit/test_loss.py"""
     temp = {loss: mos_step_temp_bytes(tiny_data, loss) for loss in ("fused", "plain")}
     assert temp["fused"] < 0.5 * ONE_LOGITS < 2 * ONE_LOGITS < temp["plain"], temp
 

@@ -17,7 +17,7 @@ from onona_jax import config, heads, models, summary
 from onona_jax.experiments import report, sweep
 from onona_jax.params import path_str
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER = sweep.load_paper_configs(REPO)
 TOKENS_PER_STEP = 256 * 1024
 

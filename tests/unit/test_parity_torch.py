@@ -15,7 +15,7 @@ from onona_jax import models as model
 from onona_jax.config import ffn_width
 from reference.torch_ref import TwinQwen3, hf_qwen3_config, state_dict_from_jax
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER = os.path.join(REPO, "configs", "paper.py")
 
 
