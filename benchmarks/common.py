@@ -14,11 +14,12 @@ and the load average last, and every JSON a script prints or writes holds `recor
 modes, each with its own flags and defaults.
 
 The scripts: bench.py (one device: step memory, FLOPs and time, data pipeline, decode, families,
-MoE dispatch, compile time and cache, data preparation, the program's fingerprint), peer.py
+MoE dispatch, compile time and cache, data preparation, the program's fingerprint; each mode
+in a module of its own, bench_<mode>.py, that bench.py dispatches to), peer.py
 (against PyTorch on the CPU: the whole step, its parts, a per-op profile), serve_bench.py
 (serving engines side by side, the server's restore memory; serve_bench_vllm.py is its child in
-the vLLM venv), device_check.py (the prepared accelerator run, scripts/device_check.sh) and
-faults.py (the fault battery, tests/test_faults.py).
+the vLLM venv), device_check.py (the prepared accelerator run, scripts/device_check.sh). The fault battery
+(tests/battery/) runs through `run` too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from pathlib import Path
 
 from onona_jax import cli
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper.py"
+REPO = Path(__file__).resolve().parents[1]  # the checkout
+CONFIGS = REPO / "configs" / "paper.py"
 
 
 def cpu_only() -> None:
@@ -221,9 +223,21 @@ def run_modes(modes: dict, default: str, argv=None, doc: str = "") -> int:
                           flag_values=fv)
         if define is None:
             raise cli.UsageError(f"--what={mode}: choose one of {', '.join(modes)}")
-        return define(fv, argv)
+        defined = define(fv, argv)
+        _list_under_the_script(fv, define.__module__)
+        return defined
 
     return run(define_mode, lambda fv, rest: main(fv, rest, argv), argv, doc, json_stdout)
+
+
+def _list_under_the_script(fv, module: str) -> None:
+    """A mode defined in a module of its own (bench.py's bench_<mode>.py) lists its flags under the
+    script's name in --help, as a mode defined in the script does (absl groups flags by module and
+    names the script's by sys.argv[0])."""
+    by_module = fv.flags_by_module_dict()
+    if module != "__main__" and module in by_module:
+        for flag in by_module.pop(module):
+            fv.register_flag_by_module(sys.argv[0], flag)
 
 
 # ----------------------------------------------------------------------------- the command line

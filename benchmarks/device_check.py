@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from absl import flags
 
-import bench  # benchmarks/bench.py, beside this script
+import bench_sections  # benchmarks/bench_sections.py (bench.py --what=sections), beside this script
 import common  # benchmarks/common.py, beside this script
 from onona_jax import cli, summary
 from onona_jax import train as trainer
@@ -100,19 +100,19 @@ DRY_RUN_STEPPED = ("twin/fused+xla",)
 
 def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, config_only=False, arch="dense",
                 overrides=None):
-    bench.OVERRIDES.clear()
-    bench.OVERRIDES.update({"model.attention_impl": attention} if attention else {})
-    bench.OVERRIDES.update(overrides or {})
-    cfg = bench.make_config(size, head, loss, chunk, batch, seq, arch=arch)
+    bench_sections.OVERRIDES.clear()
+    bench_sections.OVERRIDES.update({"model.attention_impl": attention} if attention else {})
+    bench_sections.OVERRIDES.update(overrides or {})
+    cfg = bench_sections.make_config(size, head, loss, chunk, batch, seq, arch=arch)
     if attention == "cudnn" and jax.default_backend() != "gpu":
         return {"status": f"skipped (cuDNN attention needs a GPU; backend {jax.default_backend()})"}
     if config_only:
         return {"status": "dry run: config validated, not compiled"}
     t0 = time.perf_counter()
-    run, lowered = bench.lower_step(cfg)
+    run, lowered = bench_sections.lower_step(cfg)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
-    mem = bench.memory_stats(compiled)
+    mem = bench_sections.memory_stats(compiled)
     state = trainer.init_state(run, cfg.seed)
     b = trainer.global_batch(run, tokens)
     for _ in range(2):  # warm-up: first-call allocation and autotuning
@@ -125,7 +125,7 @@ def run_variant(size, head, loss, chunk, attention, batch, seq, steps, tokens, c
         jax.block_until_ready((state, m))
         times.append(time.perf_counter() - t1)
     med = statistics.median(times)
-    flops = bench.model_flops_per_token(cfg) * batch * seq
+    flops = bench_sections.model_flops_per_token(cfg) * batch * seq
     full = summary.flops_per_token(cfg.model, seq)["train_full_square"] * batch * seq
     peak = trainer.peak_tflops(cfg)
     tflops = flops / med / 1e12
@@ -204,7 +204,7 @@ def _main(args, rest, argv):
 
     # The first batch that holds an end of text, so the documents rows mask something (at the
     # full shape the first does: 171 in 16 × 1,025 tokens; a dry run's 2 × 33 mostly none).
-    batches = pipeline.train_batches(bench.prepared_data(seq), seq, batch)
+    batches = pipeline.train_batches(bench_sections.prepared_data(seq), seq, batch)
     tokens = np.asarray(next(batches))
     for _ in range(1000):
         if (tokens == EOT).any():
@@ -221,13 +221,13 @@ def _main(args, rest, argv):
         r = res["train"][key]
         log(f"  {key}: " + (f"{r['tokens_per_s']:,.0f} tokens/s" if r["status"] == "measured" else r["status"]))
         write(res, args.out_dir)
-    bench.OVERRIDES.clear()
+    bench_sections.OVERRIDES.clear()
     if time.perf_counter() - t_start > args.budget_s:
         res["decode"] = {"status": f"skipped (time budget {args.budget_s:.0f} s spent)"}
     else:
-        res["decode"] = (bench.bench_decode(size, 1, log, batch=2, prompt_len=4, new_tokens=4,
-                                            only=("twin/sample_two_projection", "twin/sample_one_projection")) if args.dry_run
-                         else bench.bench_decode(size, max(args.decode_rounds, 3), log))
+        res["decode"] = (bench_sections.bench_decode(size, 1, log, batch=2, prompt_len=4, new_tokens=4,
+                                                     only=("twin/sample_two_projection", "twin/sample_one_projection")) if args.dry_run
+                         else bench_sections.bench_decode(size, max(args.decode_rounds, 3), log))
     res["elapsed_s"] = time.perf_counter() - t_start
     write(res, args.out_dir)
     print(markdown(res))

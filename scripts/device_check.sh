@@ -7,7 +7,7 @@
 # OUT_DIR/device_check.json and OUT_DIR/device_check.md.
 #
 #     bash scripts/device_check.sh OUT_DIR [--steps=20] [--budget_s=420]
-#     bash scripts/device_check.sh OUT_DIR --dry_run     # tiny shapes on the CPU (tests/test_device_check.py)
+#     bash scripts/device_check.sh OUT_DIR --dry_run     # tiny shapes on the CPU (tests/integration/test_device_check.py)
 #
 # Then copy OUT_DIR/device_check.md into docs/performance.md with the date and the device.
 set -euo pipefail

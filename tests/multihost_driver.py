@@ -1,4 +1,4 @@
-"""Runs `train.py` (same flags) with recording hooks, for tests/test_multihost.py.
+"""Runs `train.py` (same flags) with recording hooks, for tests/integration/test_multihost.py.
 
     ONONA_TEST_RECORD=<dir> python tests/multihost_driver.py --config=... --workdir=...
 

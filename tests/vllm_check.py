@@ -1,4 +1,4 @@
-"""Run inside the vLLM venv (scripts/vllm_env.sh) by tests/test_vllm_e2e.py:
+"""Run inside the vLLM venv (scripts/vllm_env.sh) by tests/integration/test_vllm_e2e.py:
 
     python tests/vllm_check.py EXPORT JOB.json OUT.json [EXPORT JOB.json OUT.json ...]
 

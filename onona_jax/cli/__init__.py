@@ -21,7 +21,7 @@ process and their `main(argv)` called in-process (the tests do):
 `--help` (-h, --helpfull) prints the flags without parsing the rest (a required flag may be
 missing) and without importing jax, which is slow to start: an entry point imports
 jax, and what imports it (config, models, heads), inside its functions, and its `define` gives
-the config flag by `define_config_for_help` when `help_asked(argv)` (tests/test_startup.py).
+the config flag by `define_config_for_help` when `help_asked(argv)` (tests/integration/test_startup.py).
 
 Exit status: 0 done; 2 bad usage or bad input found before any write (an unknown flag or
 config key, a bad value: `ValueError`); 1 an anticipated runtime failure (`Failure`); 130

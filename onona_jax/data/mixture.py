@@ -12,7 +12,7 @@ The plan of global batch b, a function of the seed, the weights and b alone:
   end on [0, r), and s gets its extra slot in batch b when one of the points u_b, u_b + 1, …,
   u_b + r − 1 falls in its part, u_b = frac(φ + b·(golden ratio − 1)) (φ from the seed), a
   low-discrepancy sequence. So in every batch |count_s − w_s·G| < 1 (the stated bound), and
-  over B batches a source's slots stay within a few of w_s·G·B (tests/test_mixture.py measures
+  over B batches a source's slots stay within a few of w_s·G·B (tests/integration/test_mixture.py measures
   it over 1,000 steps). Exact: the shares are fractions of the weights as written, the offsets
   integers modulo 2**32.
 - Windows. Each source walks its own fixed permutation of its windows (mixed by grain's index

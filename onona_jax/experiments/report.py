@@ -36,7 +36,7 @@ T975 = (
 Z975 = 1.959963984540054
 # An eval file's table ablations (`heads.ABLATION_KINDS`: only, in, out), e.g. val_loss_a_out. The
 # report reads eval files without importing the model code, so the kinds are spelled here too
-# (tests/test_sweep.py checks that they agree).
+# (tests/integration/test_sweep.py checks that they agree).
 ABLATION_KEY = re.compile(r"^val_loss_(\w+_(?:only|in|out))$")
 ABLATION_ORDER = ("only", "in", "out")
 

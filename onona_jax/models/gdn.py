@@ -55,7 +55,7 @@ from onona_jax.sharding import constrain
 #   "default": operands rounded to bf16, products accumulated in fp32 (one matrix-unit pass;
 #       the same numbers on CPU and GPU, where bf16 × bf16 products are exact in fp32).
 # Either way the state S is kept and carried in fp32, and so are decays, β and the elementwise
-# work; only the matmul operands are rounded. tests/test_gdn.py states and checks the error.
+# work; only the matmul operands are rounded. tests/unit/test_gdn.py states and checks the error.
 PRECISIONS = ("default", "highest")
 DEFAULT_PRECISION = "default"
 L2_EPS = 1e-6

@@ -8,7 +8,7 @@ use: `cfg`, `run`, `workdir`, `clock`, `log` (metrics.jsonl), `ckpts`, `batches`
 `preemption`, `metrics` (the step's, on the device), `pending` (`MetricsQueue`).
 
 Adding one (an EMA of the weights, histograms, an export every N steps) is a class and one line,
-`register(MyAction)` (tests/test_action_extension.py shows one that trains, resumes and is
+`register(MyAction)` (tests/examples/test_action_extension.py shows one that trains, resumes and is
 removed). An action keeps no state a resume needs, or it keeps it in the workdir itself: a resumed
 run builds every action afresh and runs the steps after the checkpoint's.
 
