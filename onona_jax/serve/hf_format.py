@@ -594,28 +594,6 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _install(tmp: Path, out: Path, files: list[str], overwrite: bool) -> None:
-    """Move a complete export from `tmp` to `out`. A new (or empty) folder appears at once (one
-    rename); in an existing one each export file is replaced by a rename, the export files of
-    another kind that this export does not write are removed, and nothing else is touched."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-        return
-    if not overwrite:  # filled while we worked
-        raise ValueError(f"--output={out} was filled by another process during the export; pass --overwrite "
-                         "to replace its export files")
-    for name in files:
-        os.replace(tmp / name, out / name)
-    for name in set(EXPORT_FILES) - set(files):
-        try:
-            os.remove(out / name)
-        except FileNotFoundError:
-            pass
-    tmp.rmdir()
-
-
 def _write_folder(folder: str, hf, state: dict, cfg, tok, tokenizer: bool) -> None:
     from transformers import GenerationConfig
 
@@ -634,9 +612,10 @@ def _write_folder(folder: str, hf, state: dict, cfg, tok, tokenizer: bool) -> No
 def export(params, cfg, output: str, tokenizer: bool = True, overwrite: bool = False) -> tuple[str, list[str]]:
     """Write the HF folder of a trained model (full config `cfg`): (kind, files written).
 
-    The folder is written beside `output` and moved into place when complete (`_install`), so
-    a failed export leaves `output` as it was. A non-empty `output` needs `overwrite`, which
-    replaces only EXPORT_FILES there. Files get the umask's mode (safetensors' own writer
+    The folder is written beside `output` and moved into place when complete (`staging.build`),
+    so a failed export leaves `output` as it was. A non-empty `output` needs `overwrite`, which
+    replaces only EXPORT_FILES there (those of another kind that this export does not write are
+    removed). Files get the umask's mode (safetensors' own writer
     makes model.safetensors 0600: it writes a private temporary file and renames it)."""
     m = cfg.model
     check_supported(m)
@@ -645,20 +624,18 @@ def export(params, cfg, output: str, tokenizer: bool = True, overwrite: bool = F
     state, head = to_hf_described(params, m)
     hf = hf_config(m, max(1024, int(cfg.data.seq_len)), head, eot=tok.eot)
     out = Path(os.path.abspath(output))
-    staging.remove_stale(out)
-    tmp, lock_fd = staging.new(out)
-    try:
+
+    def write(tmp: Path) -> list[str]:
         _write_folder(str(tmp), hf, state, cfg, tok, tokenizer)
-        (tmp / ".lock").unlink()  # our fd keeps the lock until the folder is in place
-        files, mode = sorted(os.listdir(tmp)), _file_mode()
+        files, mode = sorted(n for n in os.listdir(tmp) if n != staging.LOCK), _file_mode()
         for name in files:
             os.chmod(tmp / name, mode)
-        _install(tmp, out, files, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(lock_fd)
+        return files
+
+    staging.remove_stale(out)
+    files = staging.build(out, write, overwrite=overwrite, owned=EXPORT_FILES,
+                          filled=f"--output={out} was filled by another process during the export; pass --overwrite "
+                                 "to replace its export files")
     return hf.model_type, files
 
 
