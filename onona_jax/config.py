@@ -224,8 +224,9 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     filled in from data.tokenizer where it is 0 (the one key validation resolves).
 
     Every number of the config must be finite (whatever its key, so a key added later is
-    covered too), and every value a run reads lies in its range: the model (the MoE and GDN
-    keys when the model has MoE or GDN layers: their families' `config_problems`; every
+    covered too), and every value a run reads lies in its range: the model (its family's
+    checks, `Family.validate` and `Family.mesh_problems`: the MoE and GDN keys when the model
+    has MoE or GDN layers; every
     parameter of the abstract model in exactly one of its family's summary rows), the
     optimizer and its schedule, the data, the evaluation and the mesh. `training=False`: a
     saved run's config for a reader (evaluation, serving, export), which reads no train.*
@@ -285,7 +286,7 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
         m.n_layers % len(pattern) == 0,
         f"model.n_layers={m.n_layers} is not a multiple of the layer pattern's length {len(pattern)}",
     )
-    for problem in models.family(m).validate(m) + (gdn.config_problems(m) if "gdn" in pattern else []):
+    for problem in models.family(m).validate(m):
         need(False, problem)
     # The summary (the training loop's FLOPs, the budget) counts every parameter in the row
     # its family declares: a path it cannot place fails here, not after the run's first write.
@@ -306,10 +307,8 @@ def validate(cfg: ml_collections.ConfigDict, training: bool = True) -> ml_collec
     need(isinstance(cfg.mesh.slices, int) and cfg.mesh.slices >= 1,
          f"mesh.slices={cfg.mesh.slices} must be a positive integer: the TPU slices of a multi-slice job "
          "(1 = one slice)")
-    if m.arch == "moe":
-        need(cfg.mesh.expert == 1 or m.moe.dispatch in ("auto", "grouped"),
-             f"mesh.expert={cfg.mesh.expert} with model.moe.dispatch={m.moe.dispatch!r}: only the grouped "
-             "dispatch sends tokens to experts on other devices; use model.moe.dispatch=grouped (or auto)")
+    for problem in models.family(m).mesh_problems(m, cfg.mesh):
+        need(False, problem)
     return cfg
 
 

@@ -532,8 +532,8 @@ def prepare(
         trained_json, trained, trained_mask = train_tokenizer_on(sources, text_column, train_tokenizer,
                                                                  heldout_fraction, seed)
 
-    tmp, lock_fd = staging.new(out)
-    try:
+    def write(tmp: Path) -> dict:
+        nonlocal tok, tok_args
         if train_tokenizer:
             tok_args = _write_trained(tmp, trained_json)
             tok = load_tokenizer(tok_args)
@@ -587,29 +587,12 @@ def prepare(
         if max_tokens is not None:
             manifest["max_tokens"] = max_tokens
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / ".lock").unlink()  # our fd keeps the lock until the rename below is done
+        return manifest
 
-        # Swap into place: the output directory either is complete or does not exist.
-        old = None
-        if out.is_dir() and any(out.iterdir()):
-            if not overwrite:  # filled while we worked, e.g. by a concurrent prepare of the same dir
-                raise ValueError(f"output {out} was filled by another process during prepare; "
-                                 "pass --overwrite to replace it")
-            old = out.parent / f"{out.name}.old-{os.getpid()}"
-            out.rename(old)
-        elif out.is_dir():
-            out.rmdir()
-        elif out.exists():
-            out.unlink()
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(lock_fd)
-    return manifest
+    # Swapped into place: the output directory either is complete or does not exist.
+    return staging.build(out, write, overwrite=overwrite,
+                         filled=f"output {out} was filled by another process during prepare; "
+                                "pass --overwrite to replace it")
 
 
 def _prepare_to_bucket(inputs, output: str, *args, overwrite: bool, **kwargs) -> dict:

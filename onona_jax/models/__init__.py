@@ -11,8 +11,9 @@ A family is one file here (`dense`, `moe`, `gdn`, `attnres`) and one `Family` re
 everything the package knows of the family, the summary's accounting included: which
 component each trunk parameter counts in (`components`, checked for every path when the
 config is validated), its extra FLOPs beyond the weights' and the attention scores
-(`extra_flops`) and the initialisers it names (`initializers`). Adding a family touches its
-own file and this registry only (docs/extending.md, "Adding a decoder family").
+(`extra_flops`), the initialisers it names (`initializers`) and its Hugging Face mapping for
+export and import (`hf`, a `hf_map.HFMap`). Adding a family touches its own file and this
+registry only (docs/extending.md, "Adding a decoder family").
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from onona_jax import heads as heads_lib
 from onona_jax import packing
 from onona_jax import params as params_lib
 from onona_jax.layers import DTYPES, MLP, Attention
-from onona_jax.models import attnres, dense, gdn, moe
+from onona_jax.models import attnres, dense, gdn, hf_map, moe
 from onona_jax.sharding import constrain
 
 # Token mixers and feed-forwards of the residual trunk, by the names a layer pattern uses:
@@ -42,6 +43,10 @@ FEED_FORWARDS = {"mlp": ("mlp", MLP), "moe": ("moe", moe.MoE)}
 
 
 def _no_problems(cfg_model) -> list[str]:
+    return []
+
+
+def _no_mesh_problems(cfg_model, mesh) -> list[str]:
     return []
 
 
@@ -69,6 +74,7 @@ class Family:
     components: tuple[params_lib.ParamGroup, ...]
     layer_pattern: str = "attention"  # default of model.layer_pattern
     validate: Callable = _no_problems  # cfg_model -> [problem messages naming key and fix]
+    mesh_problems: Callable = _no_mesh_problems  # (cfg_model, cfg.mesh) -> [the same, of the mesh]
     eval_config: Callable = _unchanged  # cfg_model -> the config evaluation and serving build
     aux_loss: Callable = _no_aux_loss  # (trunk stats, cfg_model) -> (term added to the loss, metrics)
     # (cfg_model, seq_len) -> {term: forward FLOPs per token} beyond 2 per matmul weight and the
@@ -76,6 +82,9 @@ class Family:
     # AttnRes's depth mixing).
     extra_flops: Callable = _no_extra_flops
     initializers: dict = dataclasses.field(default_factory=dict)  # name -> fn(key, shape), see params
+    # Export and import (serve/hf_format.py): parameter names, config fields, the HF body; None:
+    # the family is not exported.
+    hf: hf_map.HFMap | None = None
 
 
 def _residual(ffn: str):
@@ -99,11 +108,25 @@ def _residual_flops(cfg_model, seq_len: int) -> dict[str, float]:
     return out
 
 
+# The config checks of the residual trunk's mixers, read when the layer pattern holds one.
+MIXER_PROBLEMS = {"gdn": gdn.config_problems}
+
+
+def _mixer_problems(cfg_model) -> list[str]:
+    kinds = dict.fromkeys(layer_pattern(cfg_model))
+    return [p for kind in kinds for p in MIXER_PROBLEMS.get(kind, _no_problems)(cfg_model)]
+
+
+def _moe_problems(cfg_model) -> list[str]:
+    return moe.config_problems(cfg_model) + _mixer_problems(cfg_model)
+
+
 # What the residual trunk may hold, whatever its family's default pattern (model.layer_pattern
-# may put GDN layers into a Dense or MoE model): every mixer's and feed-forward's parameters
-# and initialisers, and the mixers' extra FLOPs.
+# may put GDN layers into a Dense or MoE model): every mixer's and feed-forward's parameters,
+# initialisers, config checks and Hugging Face names, and the mixers' extra FLOPs.
 RESIDUAL = dict(components=dense.COMPONENTS + gdn.COMPONENTS + moe.COMPONENTS,
                 initializers=gdn.INITIALIZERS, extra_flops=_residual_flops)
+HF_RESIDUAL = dict(layer={**dense.HF_LAYER, **gdn.HF_LAYER, **moe.HF_LAYER}, trunk=dense.HF_TRUNK)
 
 FAMILIES: dict[str, Family] = {}
 
@@ -116,12 +139,19 @@ def register(name: str, fam: Family) -> None:
     FAMILIES[name] = fam
 
 
-register("dense", Family(trunk=_residual("mlp"), **RESIDUAL))
-register("moe", Family(trunk=_residual("moe"), validate=moe.config_problems, eval_config=moe.eval_config,
-                       aux_loss=moe.aux_loss, **RESIDUAL))
-register("gdn", Family(trunk=_residual("mlp"), layer_pattern="gdn,gdn,gdn,attention", **RESIDUAL))
+register("dense", Family(trunk=_residual("mlp"), validate=_mixer_problems, **RESIDUAL,
+                         hf=hf_map.HFMap("dense", **HF_RESIDUAL, plain=dense.HF_PLAIN)))
+register("moe", Family(trunk=_residual("moe"), validate=_moe_problems, mesh_problems=moe.mesh_problems,
+                       eval_config=moe.eval_config, aux_loss=moe.aux_loss, **RESIDUAL,
+                       hf=hf_map.HFMap("moe", **HF_RESIDUAL, plain=moe.HF_PLAIN, config_fields=moe.hf_config,
+                                       config_from_hf=moe.config_from_hf)))
+register("gdn", Family(trunk=_residual("mlp"), layer_pattern="gdn,gdn,gdn,attention", validate=_mixer_problems,
+                       **RESIDUAL, hf=hf_map.HFMap("gdn", **HF_RESIDUAL, config_fields=gdn.hf_config,
+                                                   config_from_hf=gdn.config_from_hf, pattern=True)))
 register("attnres", Family(trunk=attnres.AttnResTrunk, validate=attnres.config_problems,
-                           components=attnres.COMPONENTS, extra_flops=attnres.extra_flops))
+                           components=attnres.COMPONENTS, extra_flops=attnres.extra_flops,
+                           hf=hf_map.HFMap("attnres", attnres.HF_LAYER, attnres.HF_TRUNK,
+                                           config_fields=attnres.hf_config, config_from_hf=attnres.config_from_hf)))
 
 
 def family(cfg_model) -> Family:

@@ -54,7 +54,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from onona_jax.layers import MLP, Attention, RMSNorm, checkpointed, rms_norm, zeros_stacked
-from onona_jax.models import dense
+from onona_jax.models import dense, hf_map
+from onona_jax.models.hf_map import Entry
 from onona_jax.params import ParamGroup, Stack, param
 from onona_jax.sharding import constrain
 
@@ -129,6 +130,27 @@ def config_problems(cfg_model) -> list[str]:
         out.append(f"model.layer_pattern={cfg_model.layer_pattern!r}: arch attnres supports only "
                    "attention layers; leave model.layer_pattern empty")
     return out
+
+
+# Hugging Face: the shared layers' names (`dense.HF_LAYER`) plus each layer's queries and key
+# norms `attnres.{attn,mlp}_query`, `attnres.{attn,mlp}_key_norm.weight` [d] and the final
+# mixture's `model.final_attnres.query`, `model.final_attnres.key_norm.weight`.
+def _hf_vectors(prefix: str, paths: tuple):
+    return hf_map.entries(lambda m: [Entry(p, prefix + ".".join(p), (m.d_model,), (m.d_model,), False)
+                                     for p in paths])
+
+
+def hf_config(cfg_model) -> dict:
+    return dict(attnres_block_size=int(cfg_model.attnres.block_size))
+
+
+def config_from_hf(hf: dict, cfg_model) -> None:
+    cfg_model.attnres.block_size = int(hf.get("attnres_block_size", 1))
+
+
+HF_LAYER = dict(dense.HF_LAYER, attnres=_hf_vectors(
+    "attnres.", (("attn_query",), ("mlp_query",), ("attn_key_norm", "weight"), ("mlp_key_norm", "weight"))))
+HF_TRUNK = dict(dense.HF_TRUNK, final_attnres=_hf_vectors("model.final_attnres.", (("query",), ("key_norm", "weight"))))
 
 
 def sources_per_token(cfg_model) -> int:

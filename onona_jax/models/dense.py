@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from onona_jax.layers import RMSNorm, checkpointed, zeros_stacked
+from onona_jax.models import hf_map
+from onona_jax.models.hf_map import Entry
 from onona_jax.params import ParamGroup, Stack
 from onona_jax.sharding import constrain
 
@@ -33,6 +35,39 @@ COMPONENTS = (
                          "trunk/layers/attn_norm/weight", "trunk/layers/mlp_norm/weight",
                          "trunk/final_norm/weight"), matmul=False),
 )
+
+
+# The shared layers as Hugging Face names them (Qwen3's): `HF_LAYER` by our sub-tree, the
+# final norm `HF_TRUNK`. Attention projections are [d, heads, head_dim] here, torch Linear
+# weights [heads·head_dim, d] there.
+def _hf_attention(m) -> list[Entry]:
+    d, n, k, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    return [
+        Entry(("q",), "self_attn.q_proj.weight", (d, n, hd), (n * hd, d), True),
+        Entry(("k",), "self_attn.k_proj.weight", (d, k, hd), (k * hd, d), True),
+        Entry(("v",), "self_attn.v_proj.weight", (d, k, hd), (k * hd, d), True),
+        Entry(("o",), "self_attn.o_proj.weight", (n, hd, d), (d, n * hd), True),
+        Entry(("q_norm", "weight"), "self_attn.q_norm.weight", (hd,), (hd,), False),
+        Entry(("k_norm", "weight"), "self_attn.k_norm.weight", (hd,), (hd,), False),
+    ]
+
+
+def _hf_mlp(m) -> list[Entry]:
+    d, f = m.d_model, m.d_ff
+    return [Entry(("gate",), "mlp.gate_proj.weight", (d, f), (f, d), True),
+            Entry(("up",), "mlp.up_proj.weight", (d, f), (f, d), True),
+            Entry(("down",), "mlp.down_proj.weight", (f, d), (d, f), True)]
+
+
+def _hf_norm(name: str):
+    return hf_map.entries(lambda m: [Entry(("weight",), name, (m.d_model,), (m.d_model,), False)])
+
+
+HF_LAYER = {"attn_norm": _hf_norm("input_layernorm.weight"), "attn": hf_map.entries(_hf_attention),
+            "mlp_norm": _hf_norm("post_attention_layernorm.weight"), "mlp": hf_map.entries(_hf_mlp)}
+HF_TRUNK = {"final_norm": _hf_norm("model.norm.weight")}
+# transformers' Qwen3 with a plain softmax head (the residual trunk of attention and SwiGLU).
+HF_PLAIN = hf_map.Plain("qwen3", "Qwen3Config", "Qwen3ForCausalLM")
 
 
 def add_aux(total: dict, aux: dict) -> dict:

@@ -41,11 +41,14 @@ lost to cancellation; each segment's γ sums its own g only. `segments=None` is 
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from onona_jax.models import hf_map
 from onona_jax.params import ParamGroup, param
 from onona_jax.sharding import constrain
 
@@ -389,6 +392,90 @@ def config_problems(cfg_model) -> list[str]:
         problems.append(f"model.gdn.precision {G.precision!r}: one of {', '.join(PRECISIONS)} (the recurrence's "
                         "matmuls: default = bf16 operands with fp32 accumulation, highest = fp32 throughout)")
     return problems
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def to_hf(layer_params: Mapping, cfg_model) -> dict[str, np.ndarray]:
+    """One of our `gdn.GatedDeltaNet` layers (its unstacked params: q, k, v, gate, a, b,
+    A_log, dt_bias, conv_q, conv_k, conv_v, norm, o) -> the state dict of HF transformers'
+    `Qwen3NextGatedDeltaNet` (names relative to the module) with
+    linear_num_key_heads = linear_num_value_heads = H (ours has no grouped value heads).
+
+    Layout differences, all resolved here:
+      * `in_proj_qkvz` [H·(2dk+2dv), d] fuses q, k, v and the output gate z, grouped per key
+        head: rows of head h are [q_h | k_h | v_h | z_h] (HF's `fix_query_key_value_ordering`).
+      * `in_proj_ba` [2H, d] fuses b and a, per head [b_h | a_h] (b first).
+      * `conv1d.weight` [2H·dk + H·dv, 1, K]: one depthwise conv over the concatenated
+        channels [q (H·dk) | k (H·dk) | v (H·dv)], each head-major; tap K−1 weighs the
+        current step in both (torch conv1d, left padding K−1).
+      * `out_proj.weight` [d, H·dv]; `norm.weight` [dv] (Qwen3NextRMSNormGated: a plain
+        weight, not 1 + weight); `A_log`, `dt_bias` [H] unchanged.
+    Numerics that match without conversion: L2 norm x·rsqrt(Σx²+1e-6) in fp32, q scaled by
+    dk^-½, g = −exp(A_log)·softplus(a + dt_bias), β = σ(b), gated norm eps = rms_norm_eps
+    (set it to our norm_eps), SiLU on the conv output."""
+    G = cfg_model.gdn
+    H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
+    p = {name: np.asarray(x, np.float32) for name, x in layer_params.items()}
+    d = p["q"].shape[0]
+    per_head = np.concatenate([p["q"], p["k"], p["v"], p["gate"]], axis=-1)  # [d, H, 2dk+2dv]
+    ba = np.stack([p["b"], p["a"]], axis=-1)  # [d, H, 2]
+    conv = np.concatenate(
+        [p[f"conv_{n}"].reshape(p[f"conv_{n}"].shape[0], -1) for n in ("q", "k", "v")], axis=1
+    )  # [K, 2H·dk + H·dv]
+    out = {
+        "in_proj_qkvz.weight": per_head.reshape(d, H * (2 * dk + 2 * dv)).T,
+        "in_proj_ba.weight": ba.reshape(d, 2 * H).T,
+        "conv1d.weight": conv.T[:, None, :],
+        "dt_bias": p["dt_bias"],
+        "A_log": p["A_log"],
+        "norm.weight": p["norm"],
+        "out_proj.weight": p["o"].reshape(H * dv, d).T,
+    }
+    return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}
+
+
+def from_hf(sd: Mapping[str, np.ndarray], cfg_model) -> dict[str, np.ndarray]:
+    """The inverse of `to_hf`: a Qwen3NextGatedDeltaNet state dict (names relative
+    to the module) -> our GDN layer's parameters (unstacked)."""
+    G = cfg_model.gdn
+    H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
+    qkvz = sd["in_proj_qkvz.weight"].T
+    d = qkvz.shape[0]
+    per_head = qkvz.reshape(d, H, 2 * dk + 2 * dv)
+    ba = sd["in_proj_ba.weight"].T.reshape(d, H, 2)
+    conv = sd["conv1d.weight"][:, 0, :].T  # [K, 2H·dk + H·dv]
+    K = conv.shape[0]
+    out = {
+        "q": per_head[..., :dk], "k": per_head[..., dk:2 * dk],
+        "v": per_head[..., 2 * dk:2 * dk + dv], "gate": per_head[..., 2 * dk + dv:],
+        "b": ba[..., 0], "a": ba[..., 1],
+        "conv_q": conv[:, :H * dk].reshape(K, H, dk), "conv_k": conv[:, H * dk:2 * H * dk].reshape(K, H, dk),
+        "conv_v": conv[:, 2 * H * dk:].reshape(K, H, dv),
+        "dt_bias": sd["dt_bias"], "A_log": sd["A_log"], "norm": sd["norm.weight"],
+        "o": sd["out_proj.weight"].T.reshape(H, dv, d),
+    }
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def hf_config(cfg_model) -> dict:
+    """model.gdn's keys as Qwen3-Next names them (OnonaConfig; no grouped value heads)."""
+    G = cfg_model.gdn
+    return dict(linear_num_key_heads=int(G.n_heads), linear_num_value_heads=int(G.n_heads),
+                linear_key_head_dim=int(G.head_dim_k), linear_value_head_dim=int(G.head_dim_v),
+                linear_conv_kernel_dim=int(G.conv_kernel))
+
+
+def config_from_hf(hf: dict, cfg_model) -> None:
+    """model.gdn's keys from a config.json (the inverse of `hf_config`)."""
+    if int(hf["linear_num_key_heads"]) != int(hf["linear_num_value_heads"]):
+        raise ValueError("cannot import grouped GDN value heads (linear_num_value_heads != linear_num_key_heads)")
+    cfg_model.gdn.update(n_heads=int(hf["linear_num_key_heads"]), head_dim_k=int(hf["linear_key_head_dim"]),
+                         head_dim_v=int(hf["linear_value_head_dim"]), conv_kernel=int(hf["linear_conv_kernel_dim"]))
+
+
+HF_LAYER = {"gdn": hf_map.prefixed("linear_attn.", hf_map.Part(to_hf, from_hf))}  # Qwen3-Next's `linear_attn`
 
 
 class GatedDeltaNet(nnx.Module):

@@ -42,10 +42,12 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from onona_jax.layers import EXPERT_WEIGHTS
+from onona_jax.models import hf_map
 from onona_jax.params import ParamGroup, param
 from onona_jax import sharding
 from onona_jax.sharding import constrain
@@ -98,6 +100,66 @@ def config_problems(cfg_model) -> list[str]:
     if mo.dispatch not in ("auto", *DISPATCH):
         out.append(f"model.moe.dispatch {mo.dispatch!r}: one of auto, {', '.join(DISPATCH)}")
     return out
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+# Qwen3-MoE's names: `mlp.gate.weight` [E, d] the router, fused experts
+# `mlp.experts.gate_up_proj` [E, 2f, d] (gate rows first) and `mlp.experts.down_proj` [E, d, f].
+
+
+def to_hf(e: dict, cfg_model) -> dict[str, np.ndarray]:
+    """One layer's experts (`moe` sub-tree, unstacked numpy) -> Qwen3-MoE's tensors."""
+    return {"mlp.gate.weight": e["router"].T,
+            "mlp.experts.gate_up_proj": np.concatenate([np.swapaxes(e["gate"], 1, 2), np.swapaxes(e["up"], 1, 2)],
+                                                       axis=1),
+            "mlp.experts.down_proj": np.swapaxes(e["down"], 1, 2)}
+
+
+def from_hf(sd: dict, cfg_model) -> dict[str, np.ndarray]:
+    """The inverse of `to_hf`; also reads per-expert checkpoints (transformers 4.x names)."""
+    E, f = cfg_model.moe.n_experts, cfg_model.moe.d_expert
+    if "mlp.experts.gate_up_proj" in sd:
+        gate_up, down = sd["mlp.experts.gate_up_proj"], sd["mlp.experts.down_proj"]
+    else:
+        gate_up = np.stack([np.concatenate([sd[f"mlp.experts.{i}.gate_proj.weight"],
+                                            sd[f"mlp.experts.{i}.up_proj.weight"]]) for i in range(E)])
+        down = np.stack([sd[f"mlp.experts.{i}.down_proj.weight"] for i in range(E)])
+    return {"router": sd["mlp.gate.weight"].T, "gate": np.swapaxes(gate_up[:, :f], 1, 2),
+            "up": np.swapaxes(gate_up[:, f:], 1, 2), "down": np.swapaxes(down, 1, 2)}
+
+
+def hf_config(cfg_model) -> dict:
+    """model.moe's keys as Qwen3-MoE names them (top-k of a softmax over all experts)."""
+    mo = cfg_model.moe
+    return dict(num_experts=int(mo.n_experts), num_experts_per_tok=int(mo.top_k),
+                moe_intermediate_size=int(mo.d_expert), norm_topk_prob=bool(mo.renormalize))
+
+
+def config_from_hf(hf: dict, cfg_model) -> None:
+    """model.moe's keys from a config.json (the inverse of `hf_config`)."""
+    cfg_model.moe.update(n_experts=int(hf["num_experts"]), top_k=int(hf["num_experts_per_tok"]),
+                         d_expert=int(hf["moe_intermediate_size"]), renormalize=bool(hf.get("norm_topk_prob", False)))
+
+
+def _plain_problems(hf: dict) -> list[str]:
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        return ["dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)"]
+    return []
+
+
+HF_LAYER = {"moe": hf_map.Part(to_hf, from_hf)}
+HF_PLAIN = hf_map.Plain(
+    "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", problems=_plain_problems,
+    fields=lambda m: dict(hf_config(m), decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                          router_aux_loss_coef=float(m.moe.aux_coef)))
+
+
+def mesh_problems(cfg_model, mesh) -> list[str]:
+    """What is wrong with the mesh for this model's experts."""
+    if mesh.expert == 1 or cfg_model.moe.dispatch in ("auto", "grouped"):
+        return []
+    return [f"mesh.expert={mesh.expert} with model.moe.dispatch={cfg_model.moe.dispatch!r}: only the grouped "
+            "dispatch sends tokens to experts on other devices; use model.moe.dispatch=grouped (or auto)"]
 
 
 def resolve_dispatch(name: str) -> str:

@@ -1,12 +1,14 @@
 """Our parameter trees ⇄ HF transformers checkpoints, for every family and every head (numpy in between; torch and transformers are imported inside functions).
 
-Names (all families share the body's; `model.layers.<i>.` prefixes the per-layer ones):
+Each family declares its own names and config fields (`Family.hf`, a `models.hf_map.HFMap`,
+beside the family's module); this module applies them to whole trees and knows no family by
+name. The names (all families share the body's; `model.layers.<i>.` prefixes the per-layer ones):
 
     model.embed_tokens.weight            [V, d]  the table the body reads (see the head's below)
     model.norm.weight                    [d]
     input_layernorm.weight, post_attention_layernorm.weight            the two pre-norms
     self_attn.{q,k,v,o}_proj.weight, self_attn.{q,k}_norm.weight       attention (Qwen3)
-    linear_attn.*                        Gated DeltaNet (Qwen3-Next, `gdn_to_hf`)
+    linear_attn.*                        Gated DeltaNet (Qwen3-Next, `gdn.to_hf`)
     mlp.{gate,up,down}_proj.weight       SwiGLU (Qwen3)
     mlp.gate.weight [E, d], mlp.experts.gate_up_proj [E, 2f, d] (gate rows first),
     mlp.experts.down_proj [E, d, f]      MoE (Qwen3-MoE, fused experts)
@@ -28,10 +30,11 @@ parameters, so JAX → HF → JAX is bit-exact. Every map is a transpose or resh
 describes the head for the standalone modeling file (`head_to_hf`), so it serves a head with
 any number of tables without knowing its name.
 
-Which class a folder loads as (`export_kind`): Dense or MoE with a plain softmax head whose
-parameters are `embedding` (tied) or `embedding` and `unembedding` -> `Qwen3ForCausalLM` /
-`Qwen3MoeForCausalLM`; everything else in FAMILIES × registered heads -> `OnonaForCausalLM`
-from `serve/hf/modeling_onona.py`, copied into the folder (auto_map, trust_remote_code=True).
+Which class a folder loads as (`export_kind`): a family with transformers' own classes
+(`HFMap.plain`: Dense, MoE) and a plain softmax head whose parameters are `embedding` (tied) or
+`embedding` and `unembedding` -> `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`; every other
+exported family × registered head -> `OnonaForCausalLM` from `serve/hf/modeling_onona.py`,
+copied into the folder (auto_map, trust_remote_code=True).
 """
 
 from __future__ import annotations
@@ -40,17 +43,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
-from onona_jax import cli, heads, paths, staging
+from onona_jax import cli, heads, models, paths, staging
 
-FAMILIES = ("dense", "moe", "gdn", "attnres")
 HEADS = tuple(heads.HEADS)  # the package's own heads (a test grid); export takes any registered head
-SUPPORTED = (f"families {', '.join(FAMILIES)} with any head registered in heads.HEADS ({', '.join(HEADS)}, ...); "
-             "dense and moe with standard or untied as Qwen3ForCausalLM / Qwen3MoeForCausalLM, the rest as "
-             "OnonaForCausalLM")
 # The HF names of head parameters (transformers' own where there is one); others: head.<name>.
 HEAD_NAMES = {"embedding": "model.embed_tokens.weight", "unembedding": "lm_head.weight", "A": "twin.A",
               "B": "twin.B", "gate": "twin.gate.weight", "mos_proj": "mos.proj", "mos_prior": "mos.prior"}
@@ -71,9 +70,25 @@ EXPORT_FILES = (CONFIG, WEIGHTS, GENERATION_CONFIG, *CODE_FILES, *TOKENIZER_FILE
 AGAIN = "export or download the folder again"  # the fix for a damaged folder
 
 
+def families() -> dict:
+    """The registered families that declare a Hugging Face mapping: {name: HFMap}."""
+    return {name: fam.hf for name, fam in models.FAMILIES.items() if fam.hf is not None}
+
+
+def _supported() -> str:
+    plain = {name: hf.plain for name, hf in families().items() if hf.plain is not None}
+    return (f"families {', '.join(families())} with any head registered in heads.HEADS ({', '.join(HEADS)}, ...); "
+            f"{' and '.join(plain)} with standard or untied as {' / '.join(p.architecture for p in plain.values())}, "
+            "the rest as OnonaForCausalLM")
+
+
 def check_supported(m) -> None:
-    if m.arch not in FAMILIES or m.head not in heads.HEADS:
-        raise ValueError(f"cannot export a model with arch={m.arch!r}, head={m.head!r}; export supports {SUPPORTED}")
+    if m.arch not in families() or m.head not in heads.HEADS:
+        raise ValueError(f"cannot export a model with arch={m.arch!r}, head={m.head!r}; export supports {_supported()}")
+
+
+def _hf(m):
+    return families()[m.arch]
 
 
 def export_kind(m) -> str:
@@ -81,47 +96,12 @@ def export_kind(m) -> str:
     cls = heads.head_class(m.head)
     plain = (cls.foldable() and cls.score is None and cls.gate_reads is None
              and set(head_names(m)) in ({"embedding"}, {"embedding", "unembedding"}))
-    if plain and m.arch in ("dense", "moe"):
-        return {"dense": "qwen3", "moe": "qwen3_moe"}[m.arch]
+    if plain and _hf(m).plain is not None:
+        return _hf(m).plain.model_type
     return "onona"
 
 
 # ----------------------------------------------------------------------------- per-layer trees
-
-
-class _Entry(NamedTuple):
-    path: tuple[str, ...]  # inside our tree (below `trunk/layers/<i>` for layer entries)
-    name: str  # HF name (after `model.layers.{i}.` for layer entries)
-    shape: tuple[int, ...]  # ours, without the stacked layer axis
-    hf_shape: tuple[int, ...]
-    transpose: bool  # torch Linear: flatten ours to [in, out], then transpose
-
-
-def _layer_entries(m) -> list[_Entry]:
-    d, n, k, hd, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
-    return [
-        _Entry(("attn_norm", "weight"), "input_layernorm.weight", (d,), (d,), False),
-        _Entry(("attn", "q"), "self_attn.q_proj.weight", (d, n, hd), (n * hd, d), True),
-        _Entry(("attn", "k"), "self_attn.k_proj.weight", (d, k, hd), (k * hd, d), True),
-        _Entry(("attn", "v"), "self_attn.v_proj.weight", (d, k, hd), (k * hd, d), True),
-        _Entry(("attn", "o"), "self_attn.o_proj.weight", (n, hd, d), (d, n * hd), True),
-        _Entry(("attn", "q_norm", "weight"), "self_attn.q_norm.weight", (hd,), (hd,), False),
-        _Entry(("attn", "k_norm", "weight"), "self_attn.k_norm.weight", (hd,), (hd,), False),
-        _Entry(("mlp_norm", "weight"), "post_attention_layernorm.weight", (d,), (d,), False),
-        _Entry(("mlp", "gate"), "mlp.gate_proj.weight", (d, f), (f, d), True),
-        _Entry(("mlp", "up"), "mlp.up_proj.weight", (d, f), (f, d), True),
-        _Entry(("mlp", "down"), "mlp.down_proj.weight", (f, d), (d, f), True),
-    ]
-
-
-def _to_hf(x: np.ndarray, e: _Entry) -> np.ndarray:
-    if e.transpose:
-        return np.ascontiguousarray(x.reshape(e.hf_shape[::-1]).T)
-    return x.reshape(e.hf_shape)
-
-
-def _from_hf(y: np.ndarray, e: _Entry) -> np.ndarray:
-    return np.ascontiguousarray((y.T if e.transpose else y).reshape(e.shape))
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -130,25 +110,11 @@ def _numpy(x: Any) -> np.ndarray:
     return np.array(x, dtype=np.float32)  # a writable copy, never a view of a jax buffer
 
 
-def _set(tree: dict, path: tuple, value: Any) -> None:
-    for p in path[:-1]:
-        tree = tree.setdefault(p, {})
-    tree[path[-1]] = value
-
-
-
-
-def _pattern(m) -> list[str]:
-    from onona_jax.models import layer_pattern
-
-    return layer_pattern(m)
-
-
 def _layers(params, m) -> list[dict]:
     """Our trunk's layers as a list of L unstacked (numpy) trees, whatever the scan layout."""
     import jax
 
-    trunk, L, P = params["trunk"]["layers"], m.n_layers, len(_pattern(m))
+    trunk, L, P = params["trunk"]["layers"], m.n_layers, len(models.layer_pattern(m))
     np_tree = lambda t: jax.tree.map(_numpy, t)  # noqa: E731
     if not m.scan_layers:
         return [np_tree(trunk[i]) for i in range(L)]
@@ -163,12 +129,18 @@ def _stack_layers(layers: list[dict], m):
     """The inverse of `_layers`: the trunk's `layers` entry in m's scan layout."""
     import jax
 
-    P = len(_pattern(m))
+    P = len(models.layer_pattern(m))
     if not m.scan_layers:
         return {i: layer for i, layer in enumerate(layers)}
     if P == 1:
         return jax.tree.map(lambda *xs: np.stack(xs), *layers)
     return {j: jax.tree.map(lambda *xs: np.stack(xs), *layers[j::P]) for j in range(P)}
+
+
+def _layer_like(layers: Mapping, i: int, m) -> Mapping:
+    """Layer i's tree (its sub-trees' names) in the trunk's `layers` entry, whatever the scan layout."""
+    P = len(models.layer_pattern(m))
+    return layers[i] if not m.scan_layers else layers if P == 1 else layers[i % P]
 
 
 def _flat(tree, prefix=()) -> dict[tuple, Any]:
@@ -181,130 +153,28 @@ def _flat(tree, prefix=()) -> dict[tuple, Any]:
     return out
 
 
-def _attn_mlp_entries(m):
-    """The Dense layer entries by our path: attention, norms and SwiGLU."""
-    return {e.path: e for e in _layer_entries(m)}
-
-
-def gdn_to_hf(layer_params: Mapping, cfg_model) -> dict[str, np.ndarray]:
-    """One of our `gdn.GatedDeltaNet` layers (its unstacked params: q, k, v, gate, a, b,
-    A_log, dt_bias, conv_q, conv_k, conv_v, norm, o) -> the state dict of HF transformers'
-    `Qwen3NextGatedDeltaNet` (names relative to the module) with
-    linear_num_key_heads = linear_num_value_heads = H (ours has no grouped value heads).
-
-    Layout differences, all resolved here:
-      * `in_proj_qkvz` [H·(2dk+2dv), d] fuses q, k, v and the output gate z, grouped per key
-        head: rows of head h are [q_h | k_h | v_h | z_h] (HF's `fix_query_key_value_ordering`).
-      * `in_proj_ba` [2H, d] fuses b and a, per head [b_h | a_h] (b first).
-      * `conv1d.weight` [2H·dk + H·dv, 1, K]: one depthwise conv over the concatenated
-        channels [q (H·dk) | k (H·dk) | v (H·dv)], each head-major; tap K−1 weighs the
-        current step in both (torch conv1d, left padding K−1).
-      * `out_proj.weight` [d, H·dv]; `norm.weight` [dv] (Qwen3NextRMSNormGated: a plain
-        weight, not 1 + weight); `A_log`, `dt_bias` [H] unchanged.
-    Numerics that match without conversion: L2 norm x·rsqrt(Σx²+1e-6) in fp32, q scaled by
-    dk^-½, g = −exp(A_log)·softplus(a + dt_bias), β = σ(b), gated norm eps = rms_norm_eps
-    (set it to our norm_eps), SiLU on the conv output."""
-    G = cfg_model.gdn
-    H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
-    p = {name: _numpy(x) for name, x in layer_params.items()}
-    d = p["q"].shape[0]
-    per_head = np.concatenate([p["q"], p["k"], p["v"], p["gate"]], axis=-1)  # [d, H, 2dk+2dv]
-    ba = np.stack([p["b"], p["a"]], axis=-1)  # [d, H, 2]
-    conv = np.concatenate(
-        [p[f"conv_{n}"].reshape(p[f"conv_{n}"].shape[0], -1) for n in ("q", "k", "v")], axis=1
-    )  # [K, 2H·dk + H·dv]
-    out = {
-        "in_proj_qkvz.weight": per_head.reshape(d, H * (2 * dk + 2 * dv)).T,
-        "in_proj_ba.weight": ba.reshape(d, 2 * H).T,
-        "conv1d.weight": conv.T[:, None, :],
-        "dt_bias": p["dt_bias"],
-        "A_log": p["A_log"],
-        "norm.weight": p["norm"],
-        "out_proj.weight": p["o"].reshape(H * dv, d).T,
-    }
-    return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}
-
-
-def gdn_from_hf(sd: Mapping[str, np.ndarray], cfg_model) -> dict[str, np.ndarray]:
-    """The inverse of `gdn_to_hf`: a Qwen3NextGatedDeltaNet state dict (names relative
-    to the module) -> our GDN layer's parameters (unstacked)."""
-    G = cfg_model.gdn
-    H, dk, dv = G.n_heads, G.head_dim_k, G.head_dim_v
-    qkvz = sd["in_proj_qkvz.weight"].T
-    d = qkvz.shape[0]
-    per_head = qkvz.reshape(d, H, 2 * dk + 2 * dv)
-    ba = sd["in_proj_ba.weight"].T.reshape(d, H, 2)
-    conv = sd["conv1d.weight"][:, 0, :].T  # [K, 2H·dk + H·dv]
-    K = conv.shape[0]
-    out = {
-        "q": per_head[..., :dk], "k": per_head[..., dk:2 * dk],
-        "v": per_head[..., 2 * dk:2 * dk + dv], "gate": per_head[..., 2 * dk + dv:],
-        "b": ba[..., 0], "a": ba[..., 1],
-        "conv_q": conv[:, :H * dk].reshape(K, H, dk), "conv_k": conv[:, H * dk:2 * H * dk].reshape(K, H, dk),
-        "conv_v": conv[:, 2 * H * dk:].reshape(K, H, dv),
-        "dt_bias": sd["dt_bias"], "A_log": sd["A_log"], "norm": sd["norm.weight"],
-        "o": sd["out_proj.weight"].T.reshape(H, dv, d),
-    }
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
-
-
 def _layer_to_hf(layer: dict, m) -> dict[str, np.ndarray]:
-    entries = _attn_mlp_entries(m)
-    out = {}
-    for path, x in _flat(layer).items():
-        if path in entries:
-            e = entries[path]
-            out[e.name] = _to_hf(x, e)
-        elif path[0] in ("gdn", "moe"):
-            continue  # whole sub-trees below
-        else:  # attnres queries and key norms: our path, dotted
-            out[".".join(path)] = x
-    if "gdn" in layer:
-        out.update({f"linear_attn.{k}": v for k, v in gdn_to_hf(layer["gdn"], m).items()})
-    if "moe" in layer:
-        e = layer["moe"]
-        out["mlp.gate.weight"] = e["router"].T  # [E, d]
-        out["mlp.experts.gate_up_proj"] = np.concatenate(
-            [np.swapaxes(e["gate"], 1, 2), np.swapaxes(e["up"], 1, 2)], axis=1)  # [E, 2f, d]
-        out["mlp.experts.down_proj"] = np.swapaxes(e["down"], 1, 2)  # [E, d, f]
+    """One layer's tensors, names after `model.layers.<i>.`: each sub-tree by its family's part."""
+    parts, out = _hf(m).layer, {}
+    for name, sub in layer.items():
+        if name not in parts:
+            raise ValueError(f"model.arch={m.arch!r}: its HF mapping (Family.hf) has no part for the layers' "
+                             f"{name!r}; declare one in its `layer` parts")
+        out.update(parts[name].to_hf(sub, m))
     return out
 
 
-def _layer_from_hf(sd: Mapping[str, np.ndarray], kind: str, m) -> dict:
-    """One layer's tree from its HF tensors (names without `model.layers.<i>.`)."""
-    entries = _attn_mlp_entries(m)
-    flat = {}
-    for path, e in entries.items():
-        if path[0] == "attn" and kind != "attention":
-            continue
-        if path[0] == "mlp" and m.arch == "moe":
-            continue
-        flat[path] = _from_hf(sd[e.name], e)
-    if kind == "gdn":
-        flat.update({("gdn", k): v for k, v in
-                     gdn_from_hf({k[len("linear_attn."):]: v for k, v in sd.items() if k.startswith("linear_attn.")},
-                                 m).items()})
-    if m.arch == "moe":
-        E, f = m.moe.n_experts, m.moe.d_expert
-        if "mlp.experts.gate_up_proj" in sd:
-            gate_up, down = sd["mlp.experts.gate_up_proj"], sd["mlp.experts.down_proj"]
-        else:  # per-expert checkpoints (transformers 4.x names)
-            gate_up = np.stack([np.concatenate([sd[f"mlp.experts.{i}.gate_proj.weight"],
-                                                sd[f"mlp.experts.{i}.up_proj.weight"]]) for i in range(E)])
-            down = np.stack([sd[f"mlp.experts.{i}.down_proj.weight"] for i in range(E)])
-        flat[("moe", "router")] = sd["mlp.gate.weight"].T
-        flat[("moe", "gate")] = np.swapaxes(gate_up[:, :f], 1, 2)
-        flat[("moe", "up")] = np.swapaxes(gate_up[:, f:], 1, 2)
-        flat[("moe", "down")] = np.swapaxes(down, 1, 2)
-    if m.arch == "attnres":
-        for name in ("attn_query", "mlp_query"):
-            flat[("attnres", name)] = sd[f"attnres.{name}"]
-        for name in ("attn_key_norm", "mlp_key_norm"):
-            flat[("attnres", name, "weight")] = sd[f"attnres.{name}.weight"]
-    tree: dict = {}
-    for path, x in flat.items():
-        _set(tree, path, np.ascontiguousarray(x, dtype=np.float32))
-    return tree
+def _layer_from_hf(sd: Mapping[str, np.ndarray], like: Mapping, m) -> dict:
+    """One layer's tree from its HF tensors (names without `model.layers.<i>.`); `like`: the
+    layer's tree in the abstract model (its sub-trees' names)."""
+    parts = _hf(m).layer
+    tree = {name: parts[name].from_hf(sd, m) for name in like}
+    return _float32(tree)
+
+
+def _float32(tree):
+    return {k: _float32(v) if isinstance(v, Mapping) else np.ascontiguousarray(v, dtype=np.float32)
+            for k, v in tree.items()}
 
 
 # ----------------------------------------------------------------------------- whole state dicts
@@ -402,11 +272,14 @@ def to_hf_described(params, m) -> tuple[dict[str, np.ndarray], dict]:
     out = {}
     for i, layer in enumerate(_layers(params, m)):
         out.update({f"model.layers.{i}.{k}": v for k, v in _layer_to_hf(layer, m).items()})
-    trunk = params["trunk"]
-    out["model.norm.weight"] = _numpy(trunk["final_norm"]["weight"])
-    if m.arch == "attnres":
-        out["model.final_attnres.query"] = _numpy(trunk["final_attnres"]["query"])
-        out["model.final_attnres.key_norm.weight"] = _numpy(trunk["final_attnres"]["key_norm"]["weight"])
+    import jax
+
+    trunk, parts = params["trunk"], _hf(m).trunk
+    for name in set(trunk) - set(parts) - {"layers"}:
+        raise ValueError(f"model.arch={m.arch!r}: its HF mapping (Family.hf) has no part for the trunk's {name!r}; "
+                         "declare one in its `trunk` parts")
+    for name, part in parts.items():
+        out.update(part.to_hf(jax.tree.map(_numpy, trunk[name]), m))
     head, desc = head_to_hf({k: _numpy(v) for k, v in params["head"].items()}, m)
     out.update(head)
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}, desc
@@ -424,29 +297,25 @@ def from_hf(state_dict: Mapping[str, Any], m) -> dict:
     import jax.numpy as jnp
 
     check_supported(m)
+    from flax import nnx
+
     sd = {k: _numpy(v) for k, v in state_dict.items()}
-    pattern = _pattern(m)
+    _, abstract = models.abstract(m)
+    abstract = nnx.to_pure_dict(abstract)
     try:
         layers = []
         for i in range(m.n_layers):
             prefix = f"model.layers.{i}."
             sub = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-            layers.append(_layer_from_hf(sub, pattern[i % len(pattern)], m))
-        trunk = {"layers": _stack_layers(layers, m), "final_norm": {"weight": sd["model.norm.weight"]}}
-        if m.arch == "attnres":
-            trunk["final_attnres"] = {"query": sd["model.final_attnres.query"],
-                                      "key_norm": {"weight": sd["model.final_attnres.key_norm.weight"]}}
+            layers.append(_layer_from_hf(sub, _layer_like(abstract["trunk"]["layers"], i, m), m))
+        trunk = {"layers": _stack_layers(layers, m)}
+        trunk.update({name: part.from_hf(sd, m) for name, part in _hf(m).trunk.items()})
         head = head_from_hf(sd, m)
     except KeyError as err:
         raise ValueError(f"checkpoint lacks {err.args[0]!r}, which a {m.arch}-{m.head} model needs") from None
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), {"trunk": trunk, "head": head})
     # every name and shape against the model's own: a wrong config must not load silently
-    from flax import nnx
-
-    from onona_jax import models as model_lib
-
-    _, abstract = model_lib.abstract(m)
-    want = {p: tuple(v.shape) for p, v in _flat(nnx.to_pure_dict(abstract)).items()}
+    want = {p: tuple(v.shape) for p, v in _flat(abstract).items()}
     have = {p: tuple(x.shape) for p, x in _flat(params).items()}
     bad = [f"{'/'.join(map(str, p))}: {have.get(p)} != {want.get(p)}"
            for p in sorted(set(want) | set(have), key=str) if want.get(p) != have.get(p)]
@@ -475,27 +344,21 @@ def hf_config(m, max_positions: int = 1024, head: dict | None = None, *, eot: in
     OnonaConfig carries. Its vocab_size is the model's (the table's rows, padding included)."""
     import transformers
 
-    kind = export_kind(m)
+    kind, mapping = export_kind(m), _hf(m)
     common = dict(_common(m, max_positions), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
-    moe = dict(num_experts=int(m.moe.n_experts), num_experts_per_tok=int(m.moe.top_k),
-               moe_intermediate_size=int(m.moe.d_expert), norm_topk_prob=bool(m.moe.renormalize))
-    if kind == "qwen3":
-        cfg = transformers.Qwen3Config(**common, tie_word_embeddings="unembedding" not in head_names(m))
-        cfg.architectures = ["Qwen3ForCausalLM"]
-    elif kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, **moe, tie_word_embeddings="unembedding" not in head_names(m), decoder_sparse_step=1,
-                                          mlp_only_layers=[], output_router_logits=False,
-                                          router_aux_loss_coef=float(m.moe.aux_coef))
-        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    if kind != "onona":
+        plain = mapping.plain
+        cfg = getattr(transformers, plain.config)(**common, **plain.fields(m),
+                                                  tie_word_embeddings="unembedding" not in head_names(m))
+        cfg.architectures = [plain.architecture]
     else:
         OnonaConfig = _onona_config_class()
-        G = m.gdn
+        fields = {}  # every family's fields (the class's defaults replaced by the run's config)
+        for hf in families().values():
+            fields.update(hf.config_fields(m))
         cfg = OnonaConfig(
-            **common, **moe, family=m.arch, head=m.head, tie_word_embeddings=False,
-            layer_pattern=",".join(_pattern(m)) if m.arch == "gdn" else "",
-            linear_num_key_heads=int(G.n_heads), linear_num_value_heads=int(G.n_heads),
-            linear_key_head_dim=int(G.head_dim_k), linear_value_head_dim=int(G.head_dim_v),
-            linear_conv_kernel_dim=int(G.conv_kernel), attnres_block_size=int(m.attnres.block_size),
+            **common, **fields, family=mapping.body, head=m.head, tie_word_embeddings=False,
+            layer_pattern=",".join(models.layer_pattern(m)) if mapping.pattern else "",
             mos_components=int(m.mos_components), **(head or {}),
         )
         cfg.architectures = ["OnonaForCausalLM"]
@@ -534,8 +397,10 @@ def _model_config_from_hf(hf: dict, base=None):
     c = base.copy_and_resolve_references() if base is not None else config_lib.base_config()
     m = c.model
     kind = hf.get("model_type")
-    if kind not in ("qwen3", "qwen3_moe", "onona"):
-        raise ValueError(f"model_type {kind!r}: import reads qwen3, qwen3_moe and onona checkpoints")
+    plain = {mapping.plain.model_type: (name, mapping.plain) for name, mapping in families().items()
+             if mapping.plain is not None}
+    if kind not in (*plain, "onona"):
+        raise ValueError(f"model_type {kind!r}: import reads {', '.join(plain)} and onona checkpoints")
     problems = []
     if hf.get("attention_bias"):
         problems.append("attention_bias=true (ours has no biases)")
@@ -547,31 +412,25 @@ def _model_config_from_hf(hf: dict, base=None):
         problems.append(f"rope_type={rope.get('rope_type')!r} (ours is the default RoPE)")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
-    if kind == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
-        problems.append("dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
+    if kind in plain:
+        problems += plain[kind][1].problems(hf)
     if problems:
         raise ValueError("cannot import this checkpoint: " + "; ".join(problems))
     d, n = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     m.update(
-        arch={"qwen3": "dense", "qwen3_moe": "moe"}.get(kind, hf.get("family")),
+        arch=plain[kind][0] if kind in plain else hf.get("family"),
         head=hf.get("head") or ("standard" if hf.get("tie_word_embeddings", False) else "untied"), vocab_size=int(hf["vocab_size"]), d_model=d,
         n_layers=int(hf["num_hidden_layers"]), n_heads=n,
         n_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or d // n),
         d_ff=int(hf["intermediate_size"]), norm_eps=float(hf["rms_norm_eps"]),
         rope_theta=float(rope["rope_theta"]),
     )
-    if m.arch == "moe":
-        m.moe.update(n_experts=int(hf["num_experts"]), top_k=int(hf["num_experts_per_tok"]),
-                     d_expert=int(hf["moe_intermediate_size"]), renormalize=bool(hf.get("norm_topk_prob", False)))
-    if m.arch == "gdn":
-        if int(hf["linear_num_key_heads"]) != int(hf["linear_num_value_heads"]):
-            raise ValueError("cannot import grouped GDN value heads (linear_num_value_heads != linear_num_key_heads)")
-        m.gdn.update(n_heads=int(hf["linear_num_key_heads"]), head_dim_k=int(hf["linear_key_head_dim"]),
-                     head_dim_v=int(hf["linear_value_head_dim"]), conv_kernel=int(hf["linear_conv_kernel_dim"]))
-        pattern = hf.get("layer_pattern") or ""
-        m.layer_pattern = "" if pattern == "gdn,gdn,gdn,attention" else pattern  # "": the arch's own
-    if m.arch == "attnres":
-        m.attnres.block_size = int(hf.get("attnres_block_size", 1))
+    mapping = families().get(m.arch)
+    if mapping is not None:
+        mapping.config_from_hf(hf, m)
+        if mapping.pattern:
+            pattern = hf.get("layer_pattern") or ""
+            m.layer_pattern = "" if pattern == models.FAMILIES[m.arch].layer_pattern else pattern  # "": the arch's own
     if "mos_components" in hf:
         m.mos_components = int(hf.get("mos_components", 2))
     return c  # data.tokenizer and the vocabulary's rounding: train/import_hf.py (the folder's tokenizer)
@@ -733,28 +592,6 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _install(tmp: Path, out: Path, files: list[str], overwrite: bool) -> None:
-    """Move a complete export from `tmp` to `out`. A new (or empty) folder appears at once (one
-    rename); in an existing one each export file is replaced by a rename, the export files of
-    another kind that this export does not write are removed, and nothing else is touched."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-        return
-    if not overwrite:  # filled while we worked
-        raise ValueError(f"--output={out} was filled by another process during the export; pass --overwrite "
-                         "to replace its export files")
-    for name in files:
-        os.replace(tmp / name, out / name)
-    for name in set(EXPORT_FILES) - set(files):
-        try:
-            os.remove(out / name)
-        except FileNotFoundError:
-            pass
-    tmp.rmdir()
-
-
 def _write_folder(folder: str, hf, state: dict, cfg, tok, tokenizer: bool) -> None:
     from transformers import GenerationConfig
 
@@ -773,9 +610,10 @@ def _write_folder(folder: str, hf, state: dict, cfg, tok, tokenizer: bool) -> No
 def export(params, cfg, output: str, tokenizer: bool = True, overwrite: bool = False) -> tuple[str, list[str]]:
     """Write the HF folder of a trained model (full config `cfg`): (kind, files written).
 
-    The folder is written beside `output` and moved into place when complete (`_install`), so
-    a failed export leaves `output` as it was. A non-empty `output` needs `overwrite`, which
-    replaces only EXPORT_FILES there. Files get the umask's mode (safetensors' own writer
+    The folder is written beside `output` and moved into place when complete (`staging.build`),
+    so a failed export leaves `output` as it was. A non-empty `output` needs `overwrite`, which
+    replaces only EXPORT_FILES there (those of another kind that this export does not write are
+    removed). Files get the umask's mode (safetensors' own writer
     makes model.safetensors 0600: it writes a private temporary file and renames it)."""
     m = cfg.model
     check_supported(m)
@@ -784,20 +622,18 @@ def export(params, cfg, output: str, tokenizer: bool = True, overwrite: bool = F
     state, head = to_hf_described(params, m)
     hf = hf_config(m, max(1024, int(cfg.data.seq_len)), head, eot=tok.eot)
     out = Path(os.path.abspath(output))
-    staging.remove_stale(out)
-    tmp, lock_fd = staging.new(out)
-    try:
+
+    def write(tmp: Path) -> list[str]:
         _write_folder(str(tmp), hf, state, cfg, tok, tokenizer)
-        (tmp / ".lock").unlink()  # our fd keeps the lock until the folder is in place
-        files, mode = sorted(os.listdir(tmp)), _file_mode()
+        files, mode = sorted(n for n in os.listdir(tmp) if n != staging.LOCK), _file_mode()
         for name in files:
             os.chmod(tmp / name, mode)
-        _install(tmp, out, files, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(lock_fd)
+        return files
+
+    staging.remove_stale(out)
+    files = staging.build(out, write, overwrite=overwrite, owned=EXPORT_FILES,
+                          filled=f"--output={out} was filled by another process during the export; pass --overwrite "
+                                 "to replace its export files")
     return hf.model_type, files
 
 

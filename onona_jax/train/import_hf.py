@@ -30,10 +30,11 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from absl import flags
 
-from onona_jax import cli, paths
+from onona_jax import cli, paths, staging
 from onona_jax import tokenizer as tokenizer_lib
 
 
@@ -91,9 +92,7 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
                       file=sys.stderr)
         if copy_from:  # the folder's tokenizer files, then data.tokenizer names the copy (`choose_tokenizer`)
             target = os.path.abspath(paths.Workdir(workdir).tokenizer)
-            os.makedirs(target, exist_ok=True)
-            for file in copy_from:
-                shutil.copyfile(file, os.path.join(target, os.path.basename(file)))
+            _copy_tokenizer(copy_from, Path(target))
             cfg.data.tokenizer = target
             assert tokenizer_lib.same(tokenizer_lib.from_config(cfg.data).identity(), tok.identity())
         params = jax.device_put(params, run.param_shardings)
@@ -117,6 +116,19 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
                 model_type=hf.get("model_type"), config=cfg.name, arch=cfg.model.arch, head=cfg.model.head,
                 tokenizer=cfg.data.tokenizer, vocab_size=int(cfg.model.vocab_size),
                 vocab_multiple=int(cfg.model.vocab_multiple))
+
+
+def _copy_tokenizer(files: list[str], target: Path) -> None:
+    """The folder's tokenizer files into `target` (built beside it, then moved into place: a
+    killed import leaves no half-copied tokenizer; other files already there are kept)."""
+
+    def write(tmp: Path) -> None:
+        for file in files:
+            shutil.copyfile(file, tmp / os.path.basename(file))
+
+    staging.remove_stale(target)
+    names = [os.path.basename(f) for f in files]
+    staging.build(target, write, overwrite=True, owned=names)
 
 
 def _entries(workdir: str) -> set[str]:

@@ -11,9 +11,23 @@ with w ∈ R^d per layer, initialised by the family's own initialiser (`parallel
 `Family` record declares what the summary needs: the row of every parameter (`components`)
 and the gate's dot as extra FLOPs (`extra_flops`). Forgetting a row is one error at config
 validation, before anything is written.
+
+Export (`serve/hf_format.py`) reads the family's Hugging Face mapping from its record
+(`Family.hf`, a `models.hf_map.HFMap`): its parameters' HF names and the HF body that runs
+them. The bodies are the torch code in `serve/hf/modeling_onona.py` (dense, moe, gdn,
+attnres), which every export carries and which imports nothing of onona_jax, so a family
+file cannot bring a body of its own: `parallel`'s gated mix is in none of them and its
+record declares no mapping (export refuses it, before anything is written). `sequential`,
+the second example here, is a plain pre-norm block under its own parameter names,
+
+    x ← x + attn(norm(x));   x ← x + mlp(norm(x))
+
+which is the dense body's math: its record maps its names onto that body's, and the export
+loads through transformers with the JAX model's log-probabilities.
 """
 
 import dataclasses
+import os
 import re
 import zlib
 
@@ -29,6 +43,7 @@ from onona_jax import models
 from onona_jax import params as params_lib
 from onona_jax import train as trainer
 from onona_jax.layers import MLP, Attention, RMSNorm
+from onona_jax.models import dense, hf_map
 from onona_jax.params import ParamGroup, param
 
 MIX_STD = 0.1
@@ -74,6 +89,37 @@ PARALLEL = models.Family(
 )
 
 
+class SequentialLayer(nnx.Module):
+    def __init__(self, cfg):
+        self.mixer_norm, self.mixer = RMSNorm(cfg.d_model, cfg.norm_eps), Attention(cfg)
+        self.ffn_norm, self.ffn = RMSNorm(cfg.d_model, cfg.norm_eps), MLP(cfg)
+
+    def __call__(self, x, positions):
+        x = x + self.mixer(self.mixer_norm(x), positions)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class SequentialTrunk(ParallelTrunk):
+    def __init__(self, cfg):
+        self.layers = nnx.List([SequentialLayer(cfg) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+SEQUENTIAL = models.Family(
+    trunk=SequentialTrunk,
+    components=(
+        ParamGroup("attention", ("trunk/layers/mixer/[qkvo]",)),
+        ParamGroup("mlp", ("trunk/layers/ffn/*",)),
+        ParamGroup("norms", ("*norm/weight",), matmul=False),
+    ),
+    # Each of our sub-trees as the dense body's (Qwen3's) tensors: the shared attention, SwiGLU
+    # and norm parts (`dense.HF_LAYER`, entries of hf_map.Entry) under this family's names.
+    hf=hf_map.HFMap("dense", trunk=dense.HF_TRUNK, layer={
+        "mixer_norm": dense.HF_LAYER["attn_norm"], "mixer": dense.HF_LAYER["attn"],
+        "ffn_norm": dense.HF_LAYER["mlp_norm"], "ffn": dense.HF_LAYER["mlp"]}),
+)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     """`parallel`, and variants that misdeclare its rows, registered for this module only."""
@@ -81,6 +127,7 @@ def registered():
         mp.setattr(models, "FAMILIES", dict(models.FAMILIES))
         mp.setattr(params_lib, "INITIALIZERS", dict(params_lib.INITIALIZERS))
         models.register("parallel", PARALLEL)
+        models.register("sequential", SEQUENTIAL)
         models.register("parallel_forgot", dataclasses.replace(PARALLEL, components=PARALLEL.components[:-1]))
         models.register("parallel_twice", dataclasses.replace(
             PARALLEL, components=PARALLEL.components + (ParamGroup("gates", ("*/mix",), matmul=False),)))
@@ -159,3 +206,48 @@ def test_an_undeclared_parameter_fails_validation_before_any_write(tiny_data, tm
     with pytest.raises(ValueError, match=re.escape(problem)):
         trainer.train(cfg, str(workdir), devices=jax.devices()[:1], progress=False)
     assert not workdir.exists()
+
+
+def test_a_family_without_an_hf_body_is_refused_before_any_write(tiny_data, tmp_path):
+    from onona_jax.serve import hf_format
+
+    cfg = config.validate(_cfg(tiny_data))
+    _, params = models.init(cfg.model, 0)
+    with pytest.raises(ValueError, match=re.escape("cannot export a model with arch='parallel', head='twin'; "
+                                                   "export supports families dense, moe, gdn, attnres, sequential")):
+        hf_format.export(params, cfg, str(tmp_path / "hf"), tokenizer=False)
+    assert not os.listdir(tmp_path)
+
+
+def test_the_family_exports_and_loads_through_transformers(tiny_data, tmp_path):
+    """Noisy parameters (logits of order one, so a misplaced weight shows), exported, loaded
+    with `AutoModelForCausalLM.from_pretrained(trust_remote_code=True)`: the JAX model's
+    log-probabilities to 1e-4 (fp32 on both sides, summation order apart), and read back
+    bit-exactly (`hf_format.from_hf`, import's reader)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from onona_jax.serve import hf_format
+
+    cfg = _cfg(tiny_data, "sequential")
+    cfg.model.scan_layers = False  # the trunk keeps a list of layers: hf_format reads the layout from this key
+    cfg = config.validate(cfg)
+    graphdef, params = models.init(cfg.model, 0)
+    leaves, treedef = jax.tree.flatten(params)
+    r = np.random.default_rng(0)
+    params = jax.tree.unflatten(treedef, [x + 0.1 * r.standard_normal(x.shape, np.float32) for x in leaves])
+    out = str(tmp_path / "hf")
+    kind, _ = hf_format.export(params, cfg, out, tokenizer=False)
+    assert kind == "onona" and hf_format.read_config(out)["family"] == "dense"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(hf).__name__ == "OnonaForCausalLM"
+
+    tokens = np.random.default_rng(1).integers(0, 50257, (2, 21))
+    ours = np.asarray(models.bind(graphdef, params)(tokens))
+    with torch.no_grad():
+        theirs = torch.log_softmax(hf(torch.from_numpy(tokens)).logits.float(), -1).numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-4)
+
+    back = hf_format.from_hf(hf_format.read_weights(out), cfg.model)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))

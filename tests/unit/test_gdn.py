@@ -1,6 +1,6 @@
 """Gated DeltaNet (SPEC §3): the chunked form against the naive recurrence (outputs, final
 state, gradients) at both matmul precisions (model.gdn.precision), our layer against HF
-transformers' `Qwen3NextGatedDeltaNet` through `hf_format.gdn_to_hf`, the 142M parameter count,
+transformers' `Qwen3NextGatedDeltaNet` through `gdn.to_hf`, the 142M parameter count,
 the hybrid trunk scanned vs unscanned, the full-sequence layer against step-by-step decoding,
 and a tiny model's loss at `default` against `highest`. Parameters and activations fp32; the
 exact-equality tests pin `highest`.
@@ -28,7 +28,6 @@ from flax import nnx
 
 from conftest import REPO
 from onona_jax import config, summary
-from onona_jax.serve import hf_format
 from onona_jax.models import gdn
 from onona_jax import models as model
 from onona_jax import params as params_lib
@@ -215,7 +214,7 @@ def _gdn_model(**gdn_overrides):
 def test_layer_matches_hf_qwen3_next(monkeypatch):
     """Ours vs `Qwen3NextGatedDeltaNet` on its pure-torch path, with our weights.
 
-    HF differs from SPEC in layout only (see `hf_format.gdn_to_hf`): fused `in_proj_qkvz`
+    HF differs from SPEC in layout only (see `gdn.to_hf`): fused `in_proj_qkvz`
     grouped per key head [q_h|k_h|v_h|z_h], fused `in_proj_ba` per head [b_h|a_h], one
     depthwise conv over the concatenated [q|k|v] channels, grouped value heads (here
     num_v_heads = num_k_heads = H), and the gated norm `Qwen3NextRMSNormGated` (plain weight,
@@ -263,7 +262,7 @@ def test_layer_matches_hf_qwen3_next(monkeypatch):
         linear_conv_kernel_dim=G.conv_kernel, rms_norm_eps=m.norm_eps, hidden_act="silu",
     )
     ref = hf.Qwen3NextGatedDeltaNet(hf_cfg, layer_idx=0).eval()
-    ref.load_state_dict({k: torch.from_numpy(v) for k, v in hf_format.gdn_to_hf(p, m).items()}, strict=True)
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in gdn.to_hf(p, m).items()}, strict=True)
     with torch.no_grad():
         theirs = ref(torch.from_numpy(x)).numpy()
     assert calls, "HF did not take its chunked path"
