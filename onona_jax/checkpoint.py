@@ -193,7 +193,7 @@ class Checkpoints:
     def save(self, step: int, state, data_state: dict, config_json: str, timer: bool = False):
         """Start writing `step` (the arrays are written in the background). Raises the error of
         the previous save if that one failed, or of this one's synchronous part: `saved` is the
-        step whose save failed, whichever raises (as for `wait` and `check`). `timer`: a save
+        step whose save failed, whichever raises (as for `wait` and `raise_failed_save`). `timer`: a save
         of train.checkpoint_minutes, marked so in the step (`KeepScheduled` deletes it once a
         later save is complete, in this run or a resumed one)."""
         self.manager.wait_until_finished()  # (Orbax's save starts with it too)
@@ -234,7 +234,7 @@ class Checkpoints:
     def wait(self):
         self.manager.wait_until_finished()
 
-    def check(self):
+    def raise_failed_save(self):
         """Raise the error of the newest save if it has finished and failed; never waits for a
         save still writing (cheap enough for every step). Orbax's own check_for_errors misses
         most failures: its finalize thread takes the error first and keeps it for
@@ -372,10 +372,10 @@ class Checkpoints:
                 "config it was saved with"
             )
 
-    def restore_latest(self, abstract_state, step: int | None = None, read=None, check=None):
+    def restore_latest(self, abstract_state, step: int | None = None, read=None, validate=None):
         """Newest readable checkpoint (or exactly `step`): (step, state, data_state, config),
         or None when there is none. `read` (step -> result tuple) replaces the full restore
-        (e.g. parameters only); `check` (step -> None) runs first (default: the parameters'
+        (e.g. parameters only); `validate` (step -> None) runs first (default: the parameters'
         structure against `abstract_state`).
 
         Only a read failure (a missing or damaged file, unparsable metadata) makes a step
@@ -386,12 +386,12 @@ class Checkpoints:
         checkpoints) lists the steps again and reads the newest, once, with a note; `step`
         deleted so is a StepGone (exit 2), as is a `step` that does not exist."""
         read = read or (lambda s: self.restore(s, abstract_state))
-        if check is None and abstract_state is not None:
-            check = lambda s: self.check_params(s, abstract_state["params"])  # noqa: E731
+        if validate is None and abstract_state is not None:
+            validate = lambda s: self.check_params(s, abstract_state["params"])  # noqa: E731
 
         def attempt(s):
-            if check is not None:
-                check(s)
+            if validate is not None:
+                validate(s)
             return (s, *read(s))
 
         if step is not None:

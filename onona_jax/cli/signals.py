@@ -50,7 +50,7 @@ class GracefulStop:
         if self.on_first is not None:
             self.on_first()
 
-    def check(self, detail: str | None = None):
+    def raise_if_requested(self, detail: str | None = None):
         """Raise `Interrupted(detail)` if a SIGINT came (a safe point)."""
         if self.requested:
             raise Interrupted(*(() if detail is None else (detail,)))
@@ -195,7 +195,7 @@ def sigint_handling():
 def graceful_stop(on_first=None, on_second=None):
     """While inside, the first SIGINT sets the yielded `GracefulStop`'s `requested` (and calls
     `on_first`) instead of raising `Interrupted`: the block stops at its next safe point
-    (`GracefulStop.check`, or its own test of `requested`). The innermost registered wins."""
+    (`GracefulStop.raise_if_requested`, or its own test of `requested`). The innermost registered wins."""
     stop = GracefulStop(on_first, on_second)
     _SIGINT.stops.append(stop)
     try:

@@ -37,7 +37,7 @@ from absl import flags
 from onona_jax import cli, paths
 from onona_jax.experiments import grids
 from onona_jax.experiments.grids import PAPER_CONFIGS, command_line, commands, config_flags, repo_root, run_dir
-from onona_jax.train.lock import WorkdirLock, check as check_lock
+from onona_jax.train.lock import WorkdirLock, raise_if_lost as raise_if_lock_lost
 
 STDERR_TAIL = 4000  # characters of a failed run's stderr kept in sweep_status.json
 
@@ -154,7 +154,7 @@ def run_sweep(arms, seeds, workdir: str, extra=(), root: str | None = None, comm
     total, done = len(arms) * len(seeds), 0
     for arm in arms:
         for seed in seeds:
-            check_lock()  # a sweep whose lock on DIR was lost (a bucket lease) starts no more runs
+            raise_if_lock_lost()  # a sweep whose lock on DIR was lost (a bucket lease) starts no more runs
             done += 1
             key = f"{arm['name']}/seed{seed}"
             rd = run_dir(workdir, arm["name"], seed)

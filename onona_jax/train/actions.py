@@ -229,7 +229,7 @@ class FailedSave(Action):
 
     def __call__(self, step, state):
         try:
-            self.trainer.ckpts.check()
+            self.trainer.ckpts.raise_failed_save()
         except Exception as err:  # noqa: BLE001
             raise save_failure(self.trainer.ckpts, err) from None
 

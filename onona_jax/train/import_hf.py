@@ -111,7 +111,7 @@ def import_folder(path: str, workdir: str, mesh=(-1, 1, 1), devices=None) -> dic
                 os.rmdir(workdir)  # (only if empty)
             except OSError:
                 pass
-        stop.check(f"{workdir} is left as it was: nothing was imported (rerun the same command to import)")
+        stop.raise_if_requested(f"{workdir} is left as it was: nothing was imported (rerun the same command to import)")
     return dict(workdir=paths.absolute(workdir), step=0, source=os.path.abspath(path),
                 model_type=hf.get("model_type"), config=cfg.name, arch=cfg.model.arch, head=cfg.model.head,
                 tokenizer=cfg.data.tokenizer, vocab_size=int(cfg.model.vocab_size),

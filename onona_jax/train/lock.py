@@ -21,7 +21,7 @@ first write until it ends. Liveness never rests on a pid:
   compared, so clock skew between hosts cannot expire a live lease; only the rate of the clocks
   matters. The cost: a new run waits up to one renewal period to be refused, and up to one lease
   to take over from a holder that died.
-  The holder that cannot renew (store unreachable, or its lease taken) stops: `check()` (called by
+  The holder that cannot renew (store unreachable, or its lease taken) stops: `raise_if_lost()` (called by
   the training loop at every step, by the sweep before every run) raises `LockLost` once its
   last successful renewal started `lease/2` s ago, at least `lease/2` s before any other
   process can take the lease over. A step or a save longer than that (minutes) is not covered.
@@ -241,14 +241,14 @@ def elsewhere(workdir: str) -> list[tuple[str, str]]:
 
 # ----------------------------------------------------------------------------- the lock
 
-_HELD: list[WorkdirLock] = []  # the locks this process holds, for `check()`
+_HELD: list[WorkdirLock] = []  # the locks this process holds, for `raise_if_lost()`
 
 
-def check() -> None:
+def raise_if_lost() -> None:
     """Raise `LockLost` if any lock this process holds has been lost (a long-running writer
     calls this between units of work: the training loop at every step)."""
     for lock in list(_HELD):
-        lock.check()
+        lock.raise_if_lost()
 
 
 class WorkdirLock:
@@ -398,7 +398,7 @@ class WorkdirLock:
     def _heartbeat(self):
         """Renew the bucket lease; locally, notice lock.json removed or replaced by hand. Only proof
         that the lock changed hands ends it: a renewal that fails (the store unreachable) is retried
-        at the next beat, and `check()` judges the time since the last one that succeeded."""
+        at the next beat, and `raise_if_lost()` judges the time since the last one that succeeded."""
         period = self.lease_s / RENEWALS_PER_LEASE
         while not self._stop.wait(period):
             if not self.cloud:
@@ -429,7 +429,7 @@ class WorkdirLock:
             except Exception as err:  # noqa: BLE001 - the store unreachable: retried at the next beat
                 self._error = err
 
-    def check(self) -> None:
+    def raise_if_lost(self) -> None:
         """Raise `LockLost` if this lock has been lost, or (a bucket lease) not renewed for half
         its lease, the margin before any other process could take it (see the module docstring)."""
         if not self.held:

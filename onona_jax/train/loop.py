@@ -23,7 +23,7 @@ from onona_jax.eval.validation import Evaluator, variants
 from onona_jax.train import actions, downstream
 from onona_jax.train.actions import Preemption, StopRun
 from onona_jax.train.clock import Clock, peak_tflops
-from onona_jax.train.lock import LockLost, check as raise_if_lock_lost
+from onona_jax.train.lock import LockLost, raise_if_lost as raise_if_lock_lost
 from onona_jax.train.metrics import MetricsLog
 from onona_jax.train.profile import Profiler
 from onona_jax.train.resume import check_resume
@@ -101,7 +101,7 @@ class Trainer:
         if self.startup.requested and resume_from is None and paths.isdir(self.wd.checkpoints):  # (not restored yet)
             resume_from = max((int(p.name) for p in paths.path(self.wd.checkpoints).iterdir() if p.name.isdigit()),
                               default=None)
-        self.startup.check(f"stopped during start-up, before the first step; {self.workdir} is left as it was (rerun "
+        self.startup.raise_if_requested(f"stopped during start-up, before the first step; {self.workdir} is left as it was (rerun "
                            f"the same command to {f'resume from step {resume_from}' if resume_from else 'start'})")
 
     def _prepare(self):

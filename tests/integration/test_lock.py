@@ -130,7 +130,7 @@ def test_killed_holders_lock_is_free_at_once(tmp_path, holders, capfd):
     lock = WorkdirLock(str(tmp_path)).acquire()
     assert time.perf_counter() - t < 1
     assert json.loads((tmp_path / "lock.json").read_text())["pid"] == os.getpid()
-    lock.check()  # reading lock.json above did not release it (a POSIX lock would have been)
+    lock.raise_if_lost()  # reading lock.json above did not release it (a POSIX lock would have been)
     assert "pid" in refused(tmp_path)
     lock.release()
     assert not (tmp_path / "lock.json").exists() and capfd.readouterr().err == ""
@@ -163,13 +163,13 @@ def test_checkpoints_reached_through_a_symlink_are_locked_where_they_live(tiny_d
 
 def test_lock_file_removed_by_hand_is_noticed(tmp_path, monkeypatch):
     """A holder whose lock.json is deleted (another run could then lock a new one) notices
-    within one heartbeat and `check()` stops it."""
+    within one heartbeat and `raise_if_lost()` stops it."""
     monkeypatch.setenv("ONONA_LOCK_LEASE_S", "0.4")
     lock = WorkdirLock(str(tmp_path)).acquire()
     (tmp_path / "lock.json").unlink()
     assert until(lambda: lock.lost is not None)
     with pytest.raises(lock_lib.LockLost, match=r"lock.json was removed or replaced while this run held it"):
-        lock_lib.check()
+        lock_lib.raise_if_lost()
     lock.release()
 
 
@@ -304,7 +304,7 @@ def test_bucket_lease_of_a_killed_holder_is_taken_after_the_lease(fake_gcs, hold
 
 
 def test_bucket_holder_that_cannot_renew_stops(fake_gcs, _gcs_emulator, monkeypatch):
-    """The store unreachable for more than half the lease (the emulator paused): `check()` raises
+    """The store unreachable for more than half the lease (the emulator paused): `raise_if_lost()` raises
     LockLost (the training loop calls it at every step), well before another process could take
     the lease. A lease taken away (the object removed) is noticed at the next renewal."""
     monkeypatch.setenv("ONONA_LOCK_LEASE_S", "1")
@@ -314,12 +314,12 @@ def test_bucket_holder_that_cannot_renew_stops(fake_gcs, _gcs_emulator, monkeypa
         time.sleep(0.8)
         with pytest.raises(lock_lib.LockLost, match=r"lost its lock on gs:.*: its lease on .*lock.json has not "
                            r"been renewed for [\d.]+ s of its 1 s"):
-            lock_lib.check()
-    assert until(lambda: lock_lib.check() is None)  # renewed again, and nobody took it meanwhile
+            lock_lib.raise_if_lost()
+    assert until(lambda: lock_lib.raise_if_lost() is None)  # renewed again, and nobody took it meanwhile
     paths.remove(f"{wd}/lock.json")
     assert until(lambda: lock.lost == f"{wd}/lock.json was removed")
     with pytest.raises(lock_lib.LockLost, match=r"lock.json was removed"):
-        lock_lib.check()
+        lock_lib.raise_if_lost()
     lock.release()
 
 
