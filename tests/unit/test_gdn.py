@@ -189,7 +189,9 @@ def test_precision_config_and_old_runs(capsys):
     err = capsys.readouterr().err
     assert "predates model.gdn.precision; using 'highest'" in err and "using their defaults" not in err
     assert config.from_saved(cfg.to_dict(), "runs/new").model.gdn.precision == "default"
-    assert config.resume_conflicts(config.from_saved(old), cfg) == []
+    from onona_jax.train.resume import resume_conflicts
+
+    assert resume_conflicts(config.from_saved(old), cfg) == []
 
 
 # ----------------------------------------------------------------------------- the layer vs HF
