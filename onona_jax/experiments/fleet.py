@@ -104,9 +104,10 @@ def step_reached(run: Run) -> int:
 
 
 def error_line(stderr: str) -> str:
-    """The last `error:` line of a command's stderr, else its last non-empty line."""
+    """The last `error:` line of a command's stderr, else its "pre-empted:" line, else its last
+    non-empty line."""
     lines = [ln.strip() for ln in stderr.replace("\r", "\n").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("error:")]
+    errors = [ln for ln in lines if ln.startswith("error:")] or [ln for ln in lines if ln.startswith(PREEMPTED_LINE)]
     return (errors or lines or [""])[-1]
 
 
@@ -158,7 +159,8 @@ def attempt(argvs, cwd: str, log_dir: str, attempt_no: int = 0, env=None, suffix
         with open(err_path, errors="replace") as f:
             f.seek(start)
             tail = f.read()[-TAIL:]
-        results.append(dict(stage=stage, returncode=rc, stderr_tail=tail, outcome=outcome(rc, tail), log=err_path))
+        results.append(dict(stage=stage, returncode=rc, stderr_tail=tail, outcome=outcome(rc, tail), log=err_path,
+                            host=socket.gethostname()))
         if results[-1]["outcome"] != "done":
             break
     return results
@@ -187,19 +189,19 @@ def save(run: Run, rec: dict) -> dict:
     return rec
 
 
-def started(run: Run, rec: dict, where: str = "") -> dict:
-    rec["attempts"].append(dict(started=time.strftime("%Y-%m-%dT%H:%M:%S"), step=step_reached(run), node=where))
+def started(run: Run, rec: dict) -> dict:
+    rec["attempts"].append(dict(started=time.strftime("%Y-%m-%dT%H:%M:%S"), step=step_reached(run)))
     rec.update(state="running", step=step_reached(run))
     return save(run, rec)
 
 
 def account(run: Run, rec: dict, how: str, budgets: Budgets, error: str = "", stage: str = "",
-            returncode: int | None = None) -> bool:
-    """Record an attempt that ended `how` ("done", "pre-empted", "failed", "busy"); True if the
-    run is to be tried again (within its budgets)."""
+            returncode: int | None = None, node: str = "") -> bool:
+    """Record an attempt that ended `how` ("done", "pre-empted", "failed", "busy") on `node`;
+    True if the run is to be tried again (within its budgets)."""
     last = rec["attempts"][-1] if rec["attempts"] else {}
     last.update(ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=how, stage=stage, returncode=returncode,
-                error=error)
+                error=error, **({"node": node} if node else {}))
     rec["step"] = step_reached(run)
     again = False
     if how == "done":

@@ -149,6 +149,10 @@ def _run_stages(argvs, attempt_no: int, workdir: str, env: dict | None, suffix: 
     log_dir, upload_to = _logs(workdir)
     env = {k: v for k, v in os.environ.items() if k not in JAX_ENV} | (env or {})
     results = fleet.attempt(argvs, grids.repo_root(), log_dir, attempt_no, env, suffix)
+    import ray
+
+    for r in results:
+        r["node"] = f"{r.pop('host')} ({ray.get_runtime_context().get_node_id()[:12]})"
     if upload_to:
         for name in os.listdir(log_dir):
             paths.upload(os.path.join(log_dir, name), paths.join(upload_to, name))
@@ -213,10 +217,10 @@ class Engine:
             n = len(rec["attempts"]) + 1
             rec = fleet.started(run, rec)
             self.say(f"{run.key}: attempt {n} from step {rec['step']}/{run.steps}")
-            how, error, stage, rc = self.attempt(run, n)
+            how, error, stage, rc, node = self.attempt(run, n)
             if self.stop.is_set():
                 return
-            again = fleet.account(run, rec, how, self.budgets, error, stage, rc)
+            again = fleet.account(run, rec, how, self.budgets, error, stage, rc, node)
             self.say(f"{run.key}: {how}{f' ({error})' if error and how != 'done' else ''}"
                      + (f" at step {rec['step']}/{run.steps}" if how != "done" else "")
                      + ("; trying again" if again and how != "done" else "" if how == "done" else "; giving up"))
@@ -233,16 +237,17 @@ class Engine:
         return self.result(ref)
 
     def result(self, ref):
+        """(outcome, error line, stage, returncode, node) of an attempt's task or member."""
         ray = self.ray
         try:
             results = ray.get(ref)
         except ray.exceptions.RayTaskError as err:  # the task's own code raised: a failure
-            return "failed", fleet.error_line(str(err)), "", None
+            return "failed", fleet.error_line(str(err)), "", None, ""
         except ray.exceptions.RayError as err:  # the worker, its node or its actor died: a pre-emption
-            return "pre-empted", f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", "", None
+            return _lost(err)
         last = results[-1]
-        return last["outcome"], fleet.error_line(last["stderr_tail"]) if last["outcome"] != "done" else "", \
-            last["stage"], last["returncode"]
+        return (last["outcome"], fleet.error_line(last["stderr_tail"]) if last["outcome"] != "done" else "",
+                last["stage"], last["returncode"], last["node"])
 
     def gang(self, run: fleet.Run, n: int):
         """One attempt of a multi-host run: every member started together, all killed if one ends
@@ -284,7 +289,7 @@ class Engine:
                     return how  # (the members are killed below: never half a run)
             return self.result(members[0].run.remote([ev], n, run.workdir, {}, ""))
         except ray.exceptions.RayError as err:
-            return "pre-empted", f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", "", None
+            return _lost(err)
         finally:
             for m in members:
                 ray.kill(m)
@@ -310,6 +315,11 @@ class Engine:
             raise cli.Interrupted("the sweep's driver stopped; its runs stop with it (they saved their last "
                                   "checkpoint); rerun the same command to resume them") from None
         return {r.key: fleet.state(r) for r in self.runs}
+
+
+def _lost(err) -> tuple:
+    """A worker, actor or node that died under an attempt: a pre-emption."""
+    return "pre-empted", f"lost: {type(err).__name__}: {str(err).strip().splitlines()[0][:200]}", "", None, ""
 
 
 def _tpu_chips(tpu: str) -> int:

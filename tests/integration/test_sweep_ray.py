@@ -1,0 +1,336 @@
+"""`sweep --engine=ray` on a real Ray cluster: `ray.cluster_utils.Cluster`, a head with no CPUs
+and two worker nodes of one CPU each, on this machine.
+
+Ray runs only on loopback: each test re-runs itself (this file, that test) under
+`unshare --net` with the loopback interface up, so the cluster lives in a fresh network
+namespace where 127.0.0.1 is all there is (outside one Ray probes a public address to learn its
+own); `assert_loopback_only` reads the namespace's /proc/net/tcp{,6}. Where `unshare` is not
+permitted the tests skip, saying so.
+
+Every run is a real train.py (dense-tiny, a few steps, a checkpoint every step) started by the
+engine; the runs share a compilation cache, and the local engine's runs of the same grid are the
+bit-for-bit reference.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+
+INSIDE = "ONONA_TEST_NETNS"  # set in the re-run inside the namespace
+DATA = "ONONA_TEST_RAY_DATA"  # the outer session's tiny data, reused inside
+STEPS = 5
+TIMEOUT_S = 600
+
+
+def _unshare_error() -> str | None:
+    try:
+        p = subprocess.run(["unshare", "--net", "ip", "link", "set", "lo", "up"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    return None if p.returncode == 0 else (p.stderr.strip() or f"exit {p.returncode}")
+
+
+def isolated(test):
+    """Run `test` inside a fresh network namespace: outside one, re-run this file's test there
+    (pytest in `unshare --net`) and pass or fail with it; skip if `unshare` is not permitted."""
+    def wrapper(request, tmp_path):
+        if os.environ.get(INSIDE):
+            return test(Path(os.environ.get(DATA) or request.getfixturevalue("tiny_data")), tmp_path)
+        tiny_data = request.getfixturevalue("tiny_data")
+        err = _unshare_error()
+        if err:
+            pytest.skip(f"cannot start Ray in a network namespace of its own (`unshare --net`: {err}); "
+                        "Ray is never started on the host's network")
+        env = {**os.environ, INSIDE: "1", DATA: str(tiny_data)}
+        cmd = ["unshare", "--net", "bash", "-c", 'ip link set lo up && exec "$@"', "bash",
+               sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", "",
+               "-W", "ignore", f"{__file__}::{request.node.name}", "--basetemp", str(tmp_path / "inside")]
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-8000:] + p.stderr[-4000:]
+    wrapper.__name__, wrapper.__doc__ = test.__name__, test.__doc__
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------- inside
+
+
+def run_env(cache: Path) -> dict:
+    """The runs' environment: one CPU device (conftest's 8 fake ones off), a shared compilation
+    cache; the same for the engine's runs and the local reference."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env.update(JAX_PLATFORMS="cpu", ONONA_COMPILE_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+class Fleet:
+    """A Cluster (head: no CPUs; two 1-CPU workers) and the sweep commands run on it."""
+
+    def __init__(self, tmp: Path, data: Path):
+        from ray.cluster_utils import Cluster
+
+        self.tmp, self.data = tmp, data
+        self.env = run_env(tmp / "jax_cache")
+        os.environ.update(self.env)  # (what the nodes' workers, and so the runs, inherit)
+        self.cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False))
+        for _ in range(2):
+            self.cluster.add_node(num_cpus=1)
+        self.cluster.wait_for_nodes()
+
+    def close(self):
+        self.cluster.shutdown()
+
+    def argv(self, d: Path, *flags, arms="standard,twin", seeds="0,1", engine="ray", steps=STEPS):
+        return [sys.executable, "-m", "onona_jax.experiments.sweep", "--grid=factorial", "--size=tiny",
+                f"--seeds={seeds}", f"--arms={arms}", f"--workdir={d}", f"--engine={engine}",
+                *([f"--address={self.cluster.address}"] if engine == "ray" else []), *flags, "--",
+                f"--config.train.steps={steps}", "--config.train.checkpoint_every=1", "--config.train.log_every=1",
+                f"--config.data.dir={self.data}", "--config.eval.windows=8", "--config.train.compile_cache_min_s=0"]
+
+    def start(self, d: Path, *flags, log="driver", **kw) -> subprocess.Popen:
+        with open(self.tmp / f"{log}.log", "w") as out:
+            return subprocess.Popen(self.argv(d, *flags, **kw), cwd=REPO, env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    def log(self, name="driver") -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+    def run(self, d: Path, *flags, log="driver", **kw) -> int:
+        p = self.start(d, *flags, log=log, **kw)
+        try:
+            return p.wait(timeout=TIMEOUT_S)
+        finally:
+            if p.poll() is None:
+                p.kill()
+
+    def node_of(self, pid: int):
+        """The worker node whose raylet `pid` descends from."""
+        raylets = {n.all_processes["raylet"][0].process.pid: n for n in self.cluster.worker_nodes}
+        while pid > 1:
+            if pid in raylets:
+                return raylets[pid]
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return None
+
+
+def listeners() -> list[str]:
+    """Every listening TCP address in this network namespace ("127.0.0.1:port", "[::]:port", ...)."""
+    import ipaddress
+
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":  # LISTEN
+                continue
+            addr, port = local.split(":")
+            raw = bytes.fromhex(addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+            ip = ipaddress.IPv6Address(raw) if v6 else ipaddress.IPv4Address(raw)
+            found.append(f"[{ip}]:{int(port, 16)}" if v6 else f"{ip}:{int(port, 16)}")
+    return found
+
+
+def assert_loopback_only():
+    found = listeners()
+    assert found and all(a.startswith("127.0.0.1:") for a in found), found
+
+
+def run_dirs(d: Path, arms=("standard", "twin"), seeds=(0, 1)):
+    return {f"{a}/seed{s}": d / a / f"seed{s}" for a in arms for s in seeds}
+
+
+def record(d: Path, key: str) -> dict:
+    arm, seed = key.split("/")
+    return json.loads((d / "fleet" / f"{arm}.{seed}.json").read_text())
+
+
+def metrics(rd: Path) -> list[dict]:
+    return [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def losses(rd: Path) -> dict:
+    """step -> loss, the last line of each step (a resumed run logs the steps after its checkpoint)."""
+    return {m["step"]: m["loss"] for m in metrics(rd) if "loss" in m}
+
+
+def checkpoint_arrays(ckpt: Path) -> dict:
+    """sha256 of every array of a checkpoint's train state."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    tree = ocp.PyTreeCheckpointer().restore(str(ckpt / "state"))
+    leaves = {}
+
+    def walk(x, key=""):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{key}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{key}/{i}")
+        elif x is not None:
+            leaves[key] = hashlib.sha256(np.asarray(x).tobytes()).hexdigest()
+    walk(tree)
+    assert leaves
+    return leaves
+
+
+def wait_for(cond, p: subprocess.Popen, what: str, timeout=TIMEOUT_S, poll=0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert p.poll() is None, f"the driver ended (exit {p.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def holder_pid(rd: Path) -> int | None:
+    try:
+        return int(json.loads((rd / "lock.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def mid_run(dirs: dict):
+    """(key, pid) of a run with its first checkpoint but not its last, and a live train.py."""
+    for key, rd in dirs.items():
+        steps = [int(p.name) for p in (rd / "checkpoints").glob("*") if p.name.isdigit()]
+        pid = holder_pid(rd)
+        if steps and max(steps) < STEPS - 1 and pid:
+            return key, pid
+    return None
+
+
+# ---------------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.slow  # 4 runs on Ray with a node lost, and the same 4 by the local engine
+@isolated
+def test_node_lost_mid_run_resumes_and_matches_the_local_engine(data, tmp):
+    """2 arms × 2 seeds; once a run has its first checkpoint its worker node is removed and a
+    new one added: every run finishes, the interrupted one resumed from a step > 0 and counted as a
+    pre-emption, and every run's losses and final checkpoint equal the local engine's, bit for bit."""
+    fleet = Fleet(tmp, data)
+    try:
+        d = tmp / "ray"
+        dirs = run_dirs(d)
+        p = fleet.start(d)
+        key, pid = wait_for(lambda: mid_run(dirs), p, "a run's first checkpoint")
+        node = fleet.node_of(pid)
+        assert node is not None, (key, pid)
+        fleet.cluster.remove_node(node, allow_graceful=False)
+        fleet.cluster.add_node(num_cpus=1)
+        assert p.wait(timeout=TIMEOUT_S) == 0, fleet.log()
+        assert_loopback_only()
+    finally:
+        fleet.close()
+    rec = record(d, key)
+    assert rec["state"] == "done" and rec["preemptions"] == 1 and rec["failures"] == 0, rec
+    restarts = [m for m in metrics(dirs[key]) if m.get("restart")]
+    assert len(restarts) == 1 and restarts[0]["step"] > 0, metrics(dirs[key])
+    for k in dirs:
+        if k != key:
+            assert record(d, k)["preemptions"] == 0 and not any(m.get("restart") for m in metrics(dirs[k]))
+
+    ref = tmp / "local"
+    assert fleet.run(ref, engine="local", log="local") == 0, fleet.log("local")
+    for k, rd in dirs.items():
+        local = run_dirs(ref)[k]
+        assert losses(rd) == losses(local) and len(losses(rd)) == STEPS, k
+        assert json.loads((rd / "eval" / f"step_{STEPS}.json").read_text())["val_loss"] == \
+            json.loads((local / "eval" / f"step_{STEPS}.json").read_text())["val_loss"], k
+        assert checkpoint_arrays(rd / "checkpoints" / str(STEPS)) == \
+            checkpoint_arrays(local / "checkpoints" / str(STEPS)), k
+    status = subprocess.run(fleet.argv(d, "--status"), cwd=REPO, env=fleet.env, capture_output=True, text=True)
+    assert status.returncode == 0 and "4 done" in status.stdout, status.stdout + status.stderr
+
+
+@isolated
+def test_sigterm_is_a_preemption_and_a_bad_run_fails_within_its_budget(data, tmp):
+    """A run whose train.py gets SIGTERM is retried as pre-empted, not failed; a run that cannot
+    start (its workdir's checkpoints/ is a file) fails --max_failures+1 times, then is left
+    failed with its `error:` line in --status, while the other finishes."""
+    fleet = Fleet(tmp, data)
+    try:
+        d = tmp / "sweep"
+        dirs = run_dirs(d, seeds=(0,))
+        bad = dirs["twin/seed0"]
+        bad.mkdir(parents=True)
+        (bad / "checkpoints").write_text("")  # (train.py: "error: cannot write to .../checkpoints")
+        p = fleet.start(d, "--max_failures=1", seeds="0")
+        _, pid = wait_for(lambda: mid_run({"standard/seed0": dirs["standard/seed0"]}), p, "the first checkpoint")
+        os.kill(pid, signal.SIGTERM)
+        assert p.wait(timeout=TIMEOUT_S) == 1, fleet.log()
+        assert_loopback_only()
+    finally:
+        fleet.close()
+    good = record(d, "standard/seed0")
+    assert good["state"] == "done" and good["preemptions"] == 1 and good["failures"] == 0, good
+    assert any(m.get("restart") and m["step"] > 0 for m in metrics(dirs["standard/seed0"]))
+    failed = record(d, "twin/seed0")
+    assert failed["state"] == "failed" and failed["failures"] == 2 and failed["preemptions"] == 0, failed
+    err = (bad / "logs" / "train.err").read_text()
+    error = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(error) == 2 and failed["last_error"] == error[-1], (err, failed)
+    status = subprocess.run(fleet.argv(d, "--status", seeds="0"), cwd=REPO, env=fleet.env, capture_output=True,
+                            text=True).stdout
+    row = next(x for x in status.splitlines() if x.startswith("twin/seed0"))
+    assert " failed " in row and error[-1][:60] in row, status
+    assert "1 failed, 1 done" in status, status
+
+
+@isolated
+def test_rerun_after_the_driver_died_finishes_only_what_was_missing(data, tmp):
+    """1 arm × 3 seeds on 2 nodes; seed 2's workdir is held by another writer (the engine's run
+    of it exits 2, "in use", and is tried again, not counted); once a run is done and seed 2 was
+    refused the driver is killed. The same command again finishes the rest; the finished run is not rerun."""
+    from onona_jax.train.lock import WorkdirLock
+
+    fleet = Fleet(tmp, data)
+    try:
+        d = tmp / "sweep"
+        dirs = run_dirs(d, ("standard",), (0, 1, 2))
+        dirs["standard/seed2"].mkdir(parents=True)
+        with WorkdirLock(str(dirs["standard/seed2"])):
+            p = fleet.start(d, arms="standard", seeds="0,1,2")
+            def finished_and_refused():  # (seed 2 starts once a node is free)
+                done = [k for k, rd in dirs.items() if (rd / "eval" / f"step_{STEPS}.json").exists()]
+                refused = (d / "fleet" / "standard.seed2.json").exists() and record(d, "standard/seed2")["busy"]
+                return done if refused else None
+            done = wait_for(finished_and_refused, p, "a finished run and seed 2 refused", poll=0.05)
+            p.kill()
+            p.wait()
+        finished = {k: (dirs[k] / "metrics.jsonl").read_bytes() for k in done}
+        busy = record(d, "standard/seed2")
+        assert busy["busy"] >= 1 and busy["failures"] == 0, busy
+        assert fleet.run(d, arms="standard", seeds="0,1,2", log="rerun") == 0, fleet.log("rerun")
+        assert_loopback_only()
+    finally:
+        fleet.close()
+    for k, rd in dirs.items():
+        assert (rd / "eval" / f"step_{STEPS}.json").exists(), k
+        assert len(losses(rd)) == STEPS
+    for k, before in finished.items():
+        assert (dirs[k] / "metrics.jsonl").read_bytes() == before, k  # not run again
+        assert (dirs[k] / "logs" / "train.err").read_text().count("--- attempt ") == 1, k
+    assert "done" in fleet.log("rerun")
