@@ -127,7 +127,8 @@ class Fleet:
 
 
 def listeners() -> list[str]:
-    """Every listening TCP address in this network namespace ("127.0.0.1:port", "[::]:port", ...)."""
+    """Every listening TCP address in this network namespace ("127.0.0.1:port", "[::]:port", ...;
+    an IPv4-mapped IPv6 one as its IPv4 address)."""
     import ipaddress
 
     found = []
@@ -144,7 +145,8 @@ def listeners() -> list[str]:
             raw = bytes.fromhex(addr)
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
             ip = ipaddress.IPv6Address(raw) if v6 else ipaddress.IPv4Address(raw)
-            found.append(f"[{ip}]:{int(port, 16)}" if v6 else f"{ip}:{int(port, 16)}")
+            ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1 is 127.0.0.1
+            found.append(f"[{ip}]:{int(port, 16)}" if ip.version == 6 else f"{ip}:{int(port, 16)}")
     return found
 
 
