@@ -126,13 +126,14 @@ def outcome(rc: int | None, stderr: str = "", lost: bool = False) -> str:
     return "failed"
 
 
-def _die_with_parent():
-    """A run's process ends when the one that started it does (Linux `PR_SET_PDEATHSIG`), as it
-    would with its node: a worker an engine loses leaves no train.py holding the workdir."""
+def _stop_with_parent():
+    """A run's process gets SIGTERM (the pre-emption: it saves its step and exits) when the one
+    that started it dies (Linux `PR_SET_PDEATHSIG`): a worker an engine loses, or a driver that
+    dies, leaves no train.py running on and holding the workdir."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         pass
 
@@ -155,7 +156,7 @@ def attempt(argvs, cwd: str, log_dir: str, attempt_no: int = 0, env=None, suffix
             err.flush()
             start = err.tell()
             out.flush()
-            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err, env=env, preexec_fn=_die_with_parent)
+            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err, env=env, preexec_fn=_stop_with_parent)
         with open(err_path, errors="replace") as f:
             f.seek(start)
             tail = f.read()[-TAIL:]

@@ -43,6 +43,7 @@ JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "ON
 # when the cluster spans machines).
 SHARED_FS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse.gcsfuse",
              "fuse.sshfs", "fuse.juicefs", "fuse.s3fs", "fuse.mountpoint-s3", "virtiofs")
+TPU_NAMES = {"v5e": "v5litepod"}  # --tpu's names -> Ray's accelerator versions
 ADDRESS = re.compile(r"(auto|(ray://)?[A-Za-z0-9.\-]+:\d{1,5})")
 
 
@@ -71,15 +72,21 @@ def check_flags(address: str, placement: Placement, budgets: fleet.Budgets):
     if not ADDRESS.fullmatch(address or ""):
         raise cli.UsageError(f"--address={address}: expected auto or HOST:PORT of the Ray cluster's head "
                              "(e.g. 127.0.0.1:6379)")
+    if placement.tpu and placement.hosts != 1:
+        raise cli.UsageError(f"--hosts with --tpu: a TPU slice's hosts follow from its topology ({placement.tpu})")
     if placement.hosts < 1 or placement.cpus < 0 or placement.gpus < 0:
         raise cli.UsageError("--hosts must be at least 1 and --cpus, --gpus at least 0")
+    ray = import_ray()
     if placement.tpu:
-        version, _, topology = placement.tpu.partition(":")
-        if not re.fullmatch(r"\d+(x\d+)+", topology):
-            raise cli.UsageError(f"--tpu={placement.tpu}: expected <version>:<topology>, e.g. v5e:4x4")
+        from ray.util import tpu as ray_tpu
+
+        version, topology = tpu_slice(placement.tpu)
+        if version not in ray_tpu.VALID_TPU_TYPES or not re.fullmatch(r"\d+(x\d+)+", topology):
+            raise cli.UsageError(f"--tpu={placement.tpu}: expected <version>:<topology>, e.g. v5e:4x4, v6e:2x4 "
+                                 f"(versions: v5e, {', '.join(ray_tpu.VALID_TPU_TYPES)})")
     if budgets.max_failures < 0 or (budgets.max_preemptions is not None and budgets.max_preemptions < 0):
         raise cli.UsageError("--max_failures and --max_preemptions must be at least 0")
-    import_ray()
+    return ray
 
 
 def _reachable(address: str) -> bool:
@@ -260,7 +267,7 @@ class Engine:
         if p.tpu:
             from ray.util import tpu
 
-            version, _, topology = p.tpu.partition(":")
+            version, topology = tpu_slice(p.tpu)
             spg = tpu.slice_placement_group(topology, version)
             pg, hosts, per_host = spg.placement_group, spg.num_hosts, {"TPU": spg.chips_per_host}
         else:
@@ -322,17 +329,22 @@ def _lost(err) -> tuple:
     return "pre-empted", f"lost: {type(err).__name__}: {str(err).strip().splitlines()[0][:200]}", "", None, ""
 
 
+def tpu_slice(tpu: str) -> tuple[str, str]:
+    """(Ray's accelerator version, topology) of --tpu=<version>:<topology> (v5e is Ray's v5litepod)."""
+    version, _, topology = tpu.partition(":")
+    return TPU_NAMES.get(version, version), topology
+
+
 def _tpu_chips(tpu: str) -> int:
     from ray.util import tpu as ray_tpu
 
-    version, _, topology = tpu.partition(":")
-    return ray_tpu.get_num_chips_from_topology(topology, version)
+    return ray_tpu.get_num_chips_from_topology(tpu_slice(tpu)[1])
 
 
 def _tpu_hosts(tpu: str) -> int:
     from ray.util import tpu as ray_tpu
 
-    version, _, topology = tpu.partition(":")
+    version, topology = tpu_slice(tpu)
     return max(1, _tpu_chips(tpu) // ray_tpu.get_chips_per_host(topology, version))
 
 
