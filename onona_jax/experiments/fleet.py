@@ -126,19 +126,23 @@ def outcome(rc: int | None, stderr: str = "", lost: bool = False) -> str:
     return "failed"
 
 
-def _stop_with_parent():
-    """A run's process gets SIGTERM (the pre-emption: it saves its step and exits) when the one
-    that started it dies (Linux `PR_SET_PDEATHSIG`): a worker an engine loses, or a driver that
-    dies, leaves no train.py running on and holding the workdir."""
-    try:
-        import ctypes
+def _with_parent(signum: int):
+    """A run's process gets `signum` when the one that started it dies (Linux `PR_SET_PDEATHSIG`):
+    a worker an engine loses, or a driver that dies, leaves no train.py running on and holding the
+    workdir. SIGTERM for one process (the pre-emption: it saves its step and exits); SIGKILL for a
+    gang's member, whose peers are gone (it would wait on them in a collective)."""
+    def set_it():
+        try:
+            import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
+            ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    return set_it
 
 
-def attempt(argvs, cwd: str, log_dir: str, attempt_no: int = 0, env=None, suffix: str = "") -> list[dict]:
+def attempt(argvs, cwd: str, log_dir: str, attempt_no: int = 0, env=None, suffix: str = "",
+            on_parent_death: int = signal.SIGTERM) -> list[dict]:
     """Run each (stage, argv) of `argvs` in turn from `cwd` until one does not end "done";
     stdout/stderr appended to `log_dir/<stage><suffix>.{out,err}` under a header line naming
     the attempt and host. Returns [{stage, returncode, stderr_tail, outcome, log}] (what an
@@ -156,7 +160,7 @@ def attempt(argvs, cwd: str, log_dir: str, attempt_no: int = 0, env=None, suffix
             err.flush()
             start = err.tell()
             out.flush()
-            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err, env=env, preexec_fn=_stop_with_parent)
+            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err, env=env, preexec_fn=_with_parent(on_parent_death))
         with open(err_path, errors="replace") as f:
             f.seek(start)
             tail = f.read()[-TAIL:]

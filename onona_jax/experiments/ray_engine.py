@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -36,7 +37,8 @@ from onona_jax import cli, paths
 from onona_jax.experiments import fleet, grids
 
 PROGRESS_S = 30.0  # a progress line per running run this often
-BUSY_WAIT_S = 10.0  # before trying again a run whose workdir another live run holds
+BUSY_WAIT_S = 10.0
+GANG_GRACE_S = 30.0  # how long a gang's other members are awaited once one has failed  # before trying again a run whose workdir another live run holds
 CONNECT_TIMEOUT_S = 10.0
 JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "ONONA_DISTRIBUTED")
 # Mounted file systems every host of a cluster can share (a local path on one of them is refused
@@ -152,10 +154,12 @@ def _logs(run_workdir: str) -> tuple[str, str | None]:
     return logs, None
 
 
-def _run_stages(argvs, attempt_no: int, workdir: str, env: dict | None, suffix: str = "") -> list[dict]:
+def _run_stages(argvs, attempt_no: int, workdir: str, env: dict | None, suffix: str = "",
+                gang: bool = False) -> list[dict]:
     log_dir, upload_to = _logs(workdir)
     env = {k: v for k, v in os.environ.items() if k not in JAX_ENV} | (env or {})
-    results = fleet.attempt(argvs, grids.repo_root(), log_dir, attempt_no, env, suffix)
+    results = fleet.attempt(argvs, grids.repo_root(), log_dir, attempt_no, env, suffix,
+                            signal.SIGKILL if gang else signal.SIGTERM)
     import ray
 
     for r in results:
@@ -189,7 +193,7 @@ class Member:
         return f"{ray.util.get_node_ip_address()}:{port}"
 
     def run(self, argvs, attempt_no: int, workdir: str, env: dict, suffix: str) -> list[dict]:
-        return _run_stages(argvs, attempt_no, workdir, env, suffix)
+        return _run_stages(argvs, attempt_no, workdir, env, suffix, gang=True)
 
 
 # ---------------------------------------------------------------------------------- the driver
@@ -292,8 +296,12 @@ class Engine:
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
                 how = self.result(ready[0])
-                if how[0] != "done":
+                if how[0] == "pre-empted" or (how[0] != "done" and not pending):
                     return how  # (the members are killed below: never half a run)
+                if how[0] != "done":  # a member that failed because a peer died: the peer's loss decides
+                    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=GANG_GRACE_S)
+                    lost = [h for h in map(self.result, ready) if h[0] == "pre-empted"]
+                    return lost[0] if lost else how
             return self.result(members[0].run.remote([ev], n, run.workdir, {}, ""))
         except ray.exceptions.RayError as err:
             return _lost(err)

@@ -66,12 +66,13 @@ def isolated(test):
 # ---------------------------------------------------------------------------------- inside
 
 
-def run_env(cache: Path) -> dict:
-    """The runs' environment: one CPU device (conftest's 8 fake ones off), a shared compilation
-    cache; the same for the engine's runs and the local reference."""
+def run_env(cache: Path, devices: int = 1) -> dict:
+    """The runs' environment: `devices` CPU devices a process (not conftest's 8), a shared
+    compilation cache; the same for the engine's runs and the local reference."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                 if not f.startswith("--xla_force_host_platform_device_count")]
+                                + ([f"--xla_force_host_platform_device_count={devices}"] if devices > 1 else []))
     env.update(JAX_PLATFORMS="cpu", ONONA_COMPILE_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 
@@ -79,11 +80,11 @@ def run_env(cache: Path) -> dict:
 class Fleet:
     """A Cluster (head: no CPUs; two 1-CPU workers) and the sweep commands run on it."""
 
-    def __init__(self, tmp: Path, data: Path):
+    def __init__(self, tmp: Path, data: Path, devices: int = 1):
         from ray.cluster_utils import Cluster
 
         self.tmp, self.data = tmp, data
-        self.env = run_env(tmp / "jax_cache")
+        self.env = run_env(tmp / "jax_cache", devices)
         os.environ.update(self.env)  # (what the nodes' workers, and so the runs, inherit)
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False))
         for _ in range(2):
@@ -93,16 +94,16 @@ class Fleet:
     def close(self):
         self.cluster.shutdown()
 
-    def argv(self, d: Path, *flags, arms="standard,twin", seeds="0,1", engine="ray", steps=STEPS):
+    def argv(self, d: Path, *flags, arms="standard,twin", seeds="0,1", engine="ray", steps=STEPS, extra=()):
         return [sys.executable, "-m", "onona_jax.experiments.sweep", "--grid=factorial", "--size=tiny",
                 f"--seeds={seeds}", f"--arms={arms}", f"--workdir={d}", f"--engine={engine}",
                 *([f"--address={self.cluster.address}"] if engine == "ray" else []), *flags, "--",
                 f"--config.train.steps={steps}", "--config.train.checkpoint_every=1", "--config.train.log_every=1",
-                f"--config.data.dir={self.data}", "--config.eval.windows=8", "--config.train.compile_cache_min_s=0"]
+                f"--config.data.dir={self.data}", "--config.eval.windows=8", "--config.train.compile_cache_min_s=0", *extra]
 
-    def start(self, d: Path, *flags, log="driver", **kw) -> subprocess.Popen:
+    def start(self, d: Path, *flags, log="driver", env=None, **kw) -> subprocess.Popen:
         with open(self.tmp / f"{log}.log", "w") as out:
-            return subprocess.Popen(self.argv(d, *flags, **kw), cwd=REPO, env=self.env, stdout=out,
+            return subprocess.Popen(self.argv(d, *flags, **kw), cwd=REPO, env=env or self.env, stdout=out,
                                     stderr=subprocess.STDOUT)
 
     def log(self, name="driver") -> str:
@@ -336,3 +337,63 @@ def test_rerun_after_the_driver_died_finishes_only_what_was_missing(data, tmp):
         assert (dirs[k] / "metrics.jsonl").read_bytes() == before, k  # not run again
         assert (dirs[k] / "logs" / "train.err").read_text().count("--- attempt ") == 1, k
     assert "done" in fleet.log("rerun")
+
+
+# The 2-process CPU run of tests/integration/test_multihost.py: 4 devices a process, a mesh of 8.
+GANG_FLAGS = ("--config.model.n_heads=8", "--config.model.n_kv_heads=4", "--config.model.head_dim=8",
+              "--config.train.global_batch=8", "--config.train.micro_batch=1", "--config.train.warmup_steps=2",
+              "--config.data.seq_len=32", "--config.eval.batch=8", "--config.mesh.data=8", "--config.mesh.fsdp=1",
+              "--config.mesh.tensor=1")
+
+
+def train_pids(rd: Path) -> list[int]:
+    """The train.py processes running in workdir `rd`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train.py" in cmd and f"--workdir={rd}".encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow  # two gangs of 2 jax.distributed processes, and the 8-device reference
+@isolated
+def test_gang_member_killed_restarts_the_whole_gang_bit_exactly(data, tmp):
+    """A run on 2 hosts (`--hosts=2`: 2 Ray actors, one a node, a STRICT_SPREAD placement group,
+    jax.distributed between them): once it has a checkpoint the actor of the member that does
+    not hold the lock is killed; the whole gang is restarted and resumes, counted as a
+    pre-emption, and its losses and final checkpoint equal one 8-device process's, bit for bit."""
+    fleet = Fleet(tmp, data, devices=4)
+    try:
+        d = tmp / "ray"
+        rd = run_dirs(d, ("twin",), (0,))["twin/seed0"]
+        p = fleet.start(d, "--hosts=2", arms="twin", seeds="0", extra=GANG_FLAGS)
+        _, lead = wait_for(lambda: mid_run({"twin/seed0": rd}), p, "the gang's first checkpoint")
+        other = wait_for(lambda: [x for x in train_pids(rd) if x != lead], p, "the second member")[0]
+        os.kill(parent(other), signal.SIGKILL)  # the member's actor (a Ray worker process) dies
+        assert p.wait(timeout=TIMEOUT_S) == 0, fleet.log()
+        assert_loopback_only()
+    finally:
+        fleet.close()
+    rec = record(d, "twin/seed0")
+    assert rec["state"] == "done" and rec["preemptions"] == 1 and rec["failures"] == 0, rec
+    assert "ActorDied" in rec["attempts"][0]["error"], rec
+    restarts = [m for m in metrics(rd) if m.get("restart")]
+    assert len(restarts) == 1 and restarts[0]["step"] > 0, metrics(rd)
+    for i in (0, 1):  # both members ran twice
+        assert (rd / "logs" / f"train.p{i}.err").read_text().count("--- attempt ") == 2, i
+
+    ref = tmp / "local"
+    env = run_env(tmp / "jax_cache", devices=8)
+    local = fleet.start(ref, arms="twin", seeds="0", engine="local", log="local", env=env, extra=GANG_FLAGS)
+    assert local.wait(timeout=TIMEOUT_S) == 0, fleet.log("local")
+    ref_rd = run_dirs(ref, ("twin",), (0,))["twin/seed0"]
+    assert losses(rd) == losses(ref_rd) and len(losses(rd)) == STEPS
+    assert checkpoint_arrays(rd / "checkpoints" / str(STEPS)) == checkpoint_arrays(ref_rd / "checkpoints" / str(STEPS))
