@@ -95,6 +95,29 @@ def is_done(run: Run) -> bool:
     return paths.exists(paths.Workdir(run.workdir).eval_result(run.steps))
 
 
+def held(workdir: str) -> bool:
+    """A live process holds the workdir's lock (train.py running there). Local disk and NFS: the
+    OS lock on lock.json is asked about, not taken; a bucket: lock.json exists."""
+    lock = paths.Workdir(workdir).lock
+    if paths.is_cloud(lock):
+        return paths.exists(lock)
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        import fcntl
+        import struct
+
+        query = struct.pack("@hhqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # struct flock
+        cmd = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
+        return struct.unpack("@hhqqixxxx", fcntl.fcntl(fd, cmd, query))[0] != fcntl.F_UNLCK
+    except OSError:
+        return True  # (a lock that cannot be asked about: assume its holder lives)
+    finally:
+        os.close(fd)
+
+
 def step_reached(run: Run) -> int:
     steps = checkpoint_steps(run.workdir)
     return steps[-1] if steps else 0
@@ -231,11 +254,18 @@ def account(run: Run, rec: dict, how: str, budgets: Budgets, error: str = "", st
 
 
 def state(run: Run) -> dict:
-    """The run's record brought up to date with its workdir (done, step)."""
+    """The run's record brought up to date with its workdir: done once its final evaluation is
+    there, running while train.py holds it, else as the engine left it (an attempt submitted but
+    not started, or whose driver died: queued, or pre-empted if the last attempt was)."""
     rec = load(run)
     rec["step"] = step_reached(run)
     if is_done(run):
         rec["state"] = "done"
+    elif held(run.workdir):
+        rec["state"] = "running"
+    elif rec["state"] == "running":
+        ended = [a for a in rec["attempts"] if "outcome" in a]
+        rec["state"] = "pre-empted" if ended and ended[-1]["outcome"] == "pre-empted" else "queued"
     return rec
 
 

@@ -322,9 +322,9 @@ class Engine:
                 for t in threads:
                     t.join(PROGRESS_S / len(threads))
                 for r in self.runs:
-                    rec = fleet.load(r)
+                    rec = fleet.state(r)
                     if rec["state"] == "running":
-                        self.say(f"{r.key}: running, step {fleet.step_reached(r)}/{r.steps}")
+                        self.say(f"{r.key}: running, step {rec['step']}/{r.steps}")
         except KeyboardInterrupt:
             self.stop.set()
             raise cli.Interrupted("the sweep's driver stopped; its runs stop with it (they saved their last "

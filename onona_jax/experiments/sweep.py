@@ -19,6 +19,13 @@ the same DIR are kept in it. (Runs launched from emitted lines record no status:
 shows a run without an eval file as missing.) A sweep holds `DIR/lock.json` (the lock train.py
 takes on a workdir) while it writes DIR, so a second sweep on DIR exits 2 naming the first; each
 run's train.py holds its own run directory.
+
+`--engine=ray --address=auto|HOST:PORT` runs the same commands on a Ray cluster instead, each
+run placed by Ray (`--cpus`, `--gpus`, `--tpu`; `--hosts=N`: a gang of N hosts), relaunched
+after a pre-emption and retried after a failure within `--max_preemptions` / `--max_failures`,
+each run's account in `DIR/fleet/` (experiments/ray_engine.py, fleet.py; docs/pods.md, "A grid
+on a fleet"). `--status` prints every run's state, step, pre-emptions, failures, last error line
+and logs, and runs nothing.
 """
 
 from __future__ import annotations
