@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-
-ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+from onona_jax import cli
+from onona_jax.experiments import fleet, ray_engine, sweep
 
 INSIDE = "ONONA_TEST_NETNS"  # set in the re-run inside the namespace
 DATA = "ONONA_TEST_RAY_DATA"  # the outer session's tiny data, reused inside
@@ -46,6 +46,7 @@ def isolated(test):
     """Run `test` inside a fresh network namespace: outside one, re-run this file's test there
     (pytest in `unshare --net`) and pass or fail with it; skip if `unshare` is not permitted."""
     def wrapper(request, tmp_path):
+        pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
         if os.environ.get(INSIDE):
             return test(Path(os.environ.get(DATA) or request.getfixturevalue("tiny_data")), tmp_path)
         tiny_data = request.getfixturevalue("tiny_data")
@@ -61,6 +62,85 @@ def isolated(test):
         assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-8000:] + p.stderr[-4000:]
     wrapper.__name__, wrapper.__doc__ = test.__name__, test.__doc__
     return wrapper
+
+
+# ---------------------------------------------------------------------------------- without Ray
+
+
+def test_how_an_attempt_ended():
+    assert fleet.outcome(0, "final step 5: val_loss=7.1") == "done"
+    assert fleet.outcome(0, "loss=3.2\npre-empted: saved step 3; rerun the same command to resume\n") == "pre-empted"
+    for rc in (-signal.SIGTERM, 143, 130):  # killed by SIGTERM before its handler; Ctrl-C
+        assert fleet.outcome(rc, "") == "pre-empted"
+    assert fleet.outcome(None, "", lost=True) == "pre-empted"
+    assert fleet.outcome(1, "error: cannot write to /w/checkpoints") == "failed"
+    assert fleet.outcome(-signal.SIGKILL, "") == "failed"  # (the OOM killer on a live node)
+    assert fleet.outcome(2, "error: /w is in use by train.py (pid 7 on host h, ...); one run writes") == "busy"
+    assert fleet.error_line("a\nerror: first\nb\rerror: second\n  tail  ") == "error: second"
+    assert fleet.error_line("x\npre-empted: saved step 3; rerun\nloss=1") == "pre-empted: saved step 3; rerun"
+
+
+def test_budgets_accounting_and_status_table(tmp_path):
+    arm = dict(name="twin", spec="dense-tiny-twin", overrides={}, budget=dict(steps=3))
+    run, other = fleet.runs([arm], [0, 1], str(tmp_path))
+    budgets = fleet.Budgets(max_preemptions=None, max_failures=1)
+    rec = fleet.started(run, fleet.load(run))
+    assert fleet.account(run, rec, "pre-empted", budgets, "lost: NodeDiedError")
+    for again in (True, False):  # one failure retried, the second leaves it failed
+        rec = fleet.started(run, rec)
+        assert fleet.account(run, rec, "failed", budgets, "error: bad", "train", 1, "node-a") == again
+    rec = fleet.load(run)
+    assert (rec["state"], rec["preemptions"], rec["failures"], rec["last_error"]) == ("failed", 1, 2, "error: bad")
+    assert [a["outcome"] for a in rec["attempts"]] == ["pre-empted", "failed", "failed"]
+    assert rec["attempts"][-1]["node"] == "node-a"
+    assert not fleet.account(other, fleet.started(other, fleet.load(other)), "pre-empted", fleet.Budgets(0))
+    assert fleet.account(other, fleet.started(other, fleet.load(other)), "busy", budgets)  # not counted
+    (tmp_path / "twin" / "seed1" / "checkpoints" / "2").mkdir(parents=True)
+    table = fleet.table([run, other])
+    rows = {ln.split()[0]: ln.split() for ln in table.splitlines()[1:3]}
+    assert rows["twin/seed0"][1:5] == ["failed", "0/3", "1", "2"] and "error: bad" in table
+    assert rows["twin/seed1"][1:3] == ["queued", "2/3"]
+    (tmp_path / "twin" / "seed1" / "eval").mkdir()
+    (tmp_path / "twin" / "seed1" / "eval" / "step_3.json").write_text("{}")
+    assert fleet.is_done(other) and fleet.state(other)["state"] == "done"
+    assert table.splitlines()[-1] == "1 queued, 1 failed"
+
+
+def test_ray_flags_are_checked_before_anything_starts(tmp_path, capsys, monkeypatch):
+    d = tmp_path / "sweep"
+    base = ["--grid=headline", "--size=tiny", f"--workdir={d}"]
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "ray", None)  # not installed
+        assert sweep.main(base + ["--engine=ray"]) == 2
+        assert capsys.readouterr().err == "error: --engine=ray needs Ray: pip install 'onona-jax[ray]' (ray==2.60.0)\n"
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    for flags, error in [
+        (["--engine=ray", "--address=nowhere"], "error: --address=nowhere: expected auto or HOST:PORT"),
+        (["--engine=ray", "--address=127.0.0.1:1"], "error: --address=127.0.0.1:1: nothing answers there"),
+        (["--engine=ray", "--tpu=v9:4x4"], "error: --tpu=v9:4x4: expected <version>:<topology>"),
+        (["--engine=ray", "--tpu=v5e:4x4", "--hosts=2"], "error: --hosts with --tpu"),
+        (["--engine=ray", "--max_failures=-1"], "error: --max_failures and --max_preemptions must be at least 0"),
+        (["--address=auto"], "error: --address is for --engine=ray"),
+        (["--engine=slurm"], "error: flag --engine=slurm"),
+    ]:
+        assert sweep.main(base + flags) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith(error) and err.count("\n") == 1, (flags, err)
+    assert not d.exists()
+
+
+def test_a_local_workdir_is_refused_on_a_cluster_of_several_machines(tmp_path):
+    class FakeRay:
+        def __init__(self, *hosts):
+            self.hosts = hosts
+
+        def nodes(self):
+            return [dict(NodeManagerAddress=h, Alive=True) for h in self.hosts]
+
+    ray_engine.check_storage(FakeRay("10.0.0.1", "10.0.0.1"), str(tmp_path))  # one machine: any path
+    ray_engine.check_storage(FakeRay("10.0.0.1", "10.0.0.2"), "gs://bucket/sweep")
+    with pytest.raises(cli.UsageError, match="is a local path .* on 2 machines"):
+        ray_engine.check_storage(FakeRay("10.0.0.1", "10.0.0.2"), str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------- inside
