@@ -100,15 +100,28 @@ def _reachable(address: str) -> bool:
         return False
 
 
+def _local_ip_towards(address: str) -> str:
+    """This host's address on the route to the cluster's head (a UDP socket's connect sends
+    nothing), so that Ray need not probe a public address to learn it."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))
+        return s.getsockname()[0]
+
+
 def connect(address: str):
     """ray.init on the running cluster at `address`, quietly; a cluster that is not there is one
     `error:` line. Nothing is started: no local cluster, no dashboard."""
     ray = import_ray()
-    if address != "auto" and not _reachable(address):
-        raise cli.UsageError(f"--address={address}: nothing answers there; start the cluster's head "
-                             "(ray start --head) or give its HOST:PORT")
+    own = {}
+    if address != "auto":
+        if not _reachable(address):
+            raise cli.UsageError(f"--address={address}: nothing answers there; start the cluster's head "
+                                 "(ray start --head) or give its HOST:PORT")
+        if not address.startswith("ray://"):
+            own = {"_node_ip_address": _local_ip_towards(address)}
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=True)
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, **own)
     except ConnectionError as err:
         raise cli.UsageError(f"--address={address}: no Ray cluster ({str(err).splitlines()[0]}); start one "
                              "(ray start --head) or give its HOST:PORT") from None
