@@ -224,30 +224,32 @@ def started(run: Run, rec: dict) -> dict:
 
 
 def account(run: Run, rec: dict, how: str, budgets: Budgets, error: str = "", stage: str = "",
-            returncode: int | None = None, node: str = "") -> bool:
+            returncode: int | None = None, node: str = "", before: tuple[int, int] = (0, 0)) -> bool:
     """Record an attempt that ended `how` ("done", "pre-empted", "failed", "busy") on `node`;
-    True if the run is to be tried again (within its budgets)."""
+    True if the run is to be tried again: within its budgets, which count the pre-emptions and
+    failures after `before` (the record's when this sweep command started: a rerun of the
+    command gives a failed run its budget again)."""
     last = rec["attempts"][-1] if rec["attempts"] else {}
     last.update(ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=how, stage=stage, returncode=returncode,
                 error=error, **({"node": node} if node else {}))
     rec["step"] = step_reached(run)
     again = False
     if how == "done":
-        rec["state"] = "done"
+        rec["state"], rec["last_error"] = "done", ""
     elif how == "busy":
         rec["busy"] += 1
         rec["last_error"] = error
         rec["state"], again = "queued", True
     elif how == "pre-empted":
         rec["preemptions"] += 1
-        again = budgets.max_preemptions is None or rec["preemptions"] <= budgets.max_preemptions
+        again = budgets.max_preemptions is None or rec["preemptions"] - before[0] <= budgets.max_preemptions
         rec["state"] = "pre-empted"
         if not again:
             rec["last_error"] = f"pre-empted {rec['preemptions']} times (--max_preemptions={budgets.max_preemptions})"
     else:
         rec["failures"] += 1
         rec["last_error"] = error
-        again = rec["failures"] <= budgets.max_failures
+        again = rec["failures"] - before[1] <= budgets.max_failures
         rec["state"] = "queued" if again else "failed"
     save(run, rec)
     return again

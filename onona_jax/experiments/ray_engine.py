@@ -232,6 +232,7 @@ class Engine:
     # (a thread per run)
     def drive(self, run: fleet.Run):
         rec = fleet.load(run)
+        before = rec["preemptions"], rec["failures"]
         while not self.stop.is_set():
             if fleet.is_done(run):
                 rec["state"] = "done"
@@ -244,7 +245,7 @@ class Engine:
             how, error, stage, rc, node = self.attempt(run, n)
             if self.stop.is_set():
                 return
-            again = fleet.account(run, rec, how, self.budgets, error, stage, rc, node)
+            again = fleet.account(run, rec, how, self.budgets, error, stage, rc, node, before)
             self.say(f"{run.key}: {how}{f' ({error})' if error and how != 'done' else ''}"
                      + (f" at step {rec['step']}/{run.steps}" if how != "done" else "")
                      + ("; trying again" if again and how != "done" else "" if how == "done" else "; giving up"))
