@@ -178,8 +178,8 @@ def attempt(argvs, cwd: str, log_dir: str, attempt_no: int = 0, env=None, suffix
         header = (f"--- attempt {attempt_no} on {socket.gethostname()} pid {os.getpid()} "
                   f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n")
         with open(out_path, "a") as out, open(err_path, "a") as err:
-            out.write(header)
-            err.write(header)
+            for f in (out, err):  # (on a line of its own: a progress bar may have left one open)
+                f.write(("\n" if f.tell() else "") + header)
             err.flush()
             start = err.tell()
             out.flush()

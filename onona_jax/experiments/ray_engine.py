@@ -246,16 +246,16 @@ class Engine:
             if self.stop.is_set():
                 return
             again = fleet.account(run, rec, how, self.budgets, error, stage, rc, node, before)
-            self.say(f"{run.key}: {how}{f' ({error})' if error and how != 'done' else ''}"
-                     + (f" at step {rec['step']}/{run.steps}" if how != "done" else "")
-                     + ("; trying again" if again and how != "done" else "" if how == "done" else "; giving up"))
             if how == "done" or not again:
+                self.say(f"{run.key}: done" if how == "done" else
+                         f"{run.key}: {how} ({error}) at step {rec['step']}/{run.steps}; giving up")
                 return
+            self.say(f"{run.key}: {how}{f' ({error})' if error else ''} at step {rec['step']}/{run.steps}; trying again")
             if how == "busy":
                 self.stop.wait(BUSY_WAIT_S)
 
     def attempt(self, run: fleet.Run, n: int):
-        """(outcome, error line, stage, returncode) of one attempt."""
+        """(outcome, error line, stage, returncode, node) of one attempt."""
         if self.placement.hosts > 1 or (self.placement.tpu and _tpu_hosts(self.placement.tpu) > 1):
             return self.gang(run, n)
         ref = self.task.remote(run.arm, run.seed, run.sweepdir, self.extra, self.python, n)
