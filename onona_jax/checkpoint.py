@@ -171,9 +171,6 @@ class Checkpoints:
             item_names=("state", "data", "config"),
             options=ocp.CheckpointManagerOptions(
                 preservation_policy=KeepScheduled(keep), create=not read_only, read_only=read_only,
-                # A reader writes no root metadata and so joins no barrier for it: process 0 alone
-                # reads the checkpoints in `write_config`, which would leave the others behind.
-                save_root_metadata=not read_only,
                 # Orbax writes a step's `metrics` item (here {"timer": 0|1}: `save`) only when a
                 # best_fn is set; this one is never used to rank (KeepScheduled decides what goes).
                 best_fn=_timer_flag,
