@@ -258,23 +258,20 @@ def losses(rd: Path) -> dict:
 
 
 def checkpoint_arrays(ckpt: Path) -> dict:
-    """sha256 of every array of a checkpoint's train state."""
+    """sha256 of every array of a checkpoint's train state, read as numpy arrays (whatever devices
+    and processes saved it)."""
+    import jax
     import numpy as np
     import orbax.checkpoint as ocp
 
-    tree = ocp.PyTreeCheckpointer().restore(str(ckpt / "state"))
-    leaves = {}
-
-    def walk(x, key=""):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{key}/{k}")
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, f"{key}/{i}")
-        elif x is not None:
-            leaves[key] = hashlib.sha256(np.asarray(x).tobytes()).hexdigest()
-    walk(tree)
+    reader = ocp.PyTreeCheckpointer()
+    meta = reader.metadata(str(ckpt / "state"))
+    tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
+    tree = getattr(tree, "tree", tree)
+    state = reader.restore(str(ckpt / "state"),
+                           restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    leaves = {jax.tree_util.keystr(k): hashlib.sha256(np.asarray(v).tobytes()).hexdigest()
+              for k, v in jax.tree_util.tree_leaves_with_path(state)}
     assert leaves
     return leaves
 
