@@ -183,7 +183,8 @@ def attempt(argvs, cwd: str, log_dir: str, attempt_no: int = 0, env=None, suffix
             err.flush()
             start = err.tell()
             out.flush()
-            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err, env=env, preexec_fn=_with_parent(on_parent_death))
+            rc = subprocess.call(argv, cwd=cwd, stdout=out, stderr=err, env=env,
+                                 preexec_fn=_with_parent(on_parent_death))
         with open(err_path, errors="replace") as f:
             f.seek(start)
             tail = f.read()[-TAIL:]

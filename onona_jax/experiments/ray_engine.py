@@ -31,14 +31,13 @@ import socket
 import sys
 import tempfile
 import threading
-import time
 
 from onona_jax import cli, paths
 from onona_jax.experiments import fleet, grids
 
 PROGRESS_S = 30.0  # a progress line per running run this often
-BUSY_WAIT_S = 10.0
-GANG_GRACE_S = 30.0  # how long a gang's other members are awaited once one has failed  # before trying again a run whose workdir another live run holds
+BUSY_WAIT_S = 10.0  # before trying again a run whose workdir another live run holds
+GANG_GRACE_S = 30.0  # how long a gang's other members are awaited once one has failed
 CONNECT_TIMEOUT_S = 10.0
 JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "ONONA_DISTRIBUTED")
 # Mounted file systems every host of a cluster can share (a local path on one of them is refused
@@ -250,7 +249,8 @@ class Engine:
                 self.say(f"{run.key}: done" if how == "done" else
                          f"{run.key}: {how} ({error}) at step {rec['step']}/{run.steps}; giving up")
                 return
-            self.say(f"{run.key}: {how}{f' ({error})' if error else ''} at step {rec['step']}/{run.steps}; trying again")
+            why = f" ({error})" if error else ""
+            self.say(f"{run.key}: {how}{why} at step {rec['step']}/{run.steps}; trying again")
             if how == "busy":
                 self.stop.wait(BUSY_WAIT_S)
 

@@ -201,7 +201,8 @@ def define(fv, argv):
     flags.DEFINE_string("python", None, "interpreter in the commands (default: this one); e.g. python for --emit",
                         flag_values=fv)
     flags.DEFINE_enum("engine", "local", ["local", "ray"], "local: every run in turn on this host; ray: the "
-                      "runs on a Ray cluster (--address), relaunched after a pre-emption (docs/pods.md)", flag_values=fv)
+                      "runs on a Ray cluster (--address), relaunched after a pre-emption (docs/pods.md)",
+                      flag_values=fv)
     flags.DEFINE_bool("status", False, "print each run's state (queued, running, pre-empted, failed, done), "
                       "step, pre-emptions, failures, last error line and logs; run nothing", flag_values=fv)
     # --engine=ray (experiments/ray_engine.py, fleet.py)
@@ -311,7 +312,8 @@ def _run_on_fleet(ray, engine, arms, seeds, workdir, extra, python) -> int:
     print(fleet.table(runs))
     missing = [k for k, r in states.items() if r["state"] != "done"]
     print(f"done: {len(runs) - len(missing)} of {len(runs)} runs"
-          + (f"; not done: {', '.join(missing)} (sweep --status; rerun the same command to retry them)" if missing else "")
+          + (f"; not done: {', '.join(missing)} (sweep --status; rerun the same command to retry them)"
+             if missing else "")
           + f"; python -m onona_jax.experiments.report {workdir}")
     return 1 if missing else 0
 

@@ -56,7 +56,8 @@ def isolated(test):
                         "Ray is never started on the host's network")
         env = {**os.environ, INSIDE: "1", DATA: str(tiny_data)}
         cmd = ["unshare", "--net", "bash", "-c", 'ip link set lo up && exec "$@"', "bash",
-               sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", "", "-rx",
+               sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
+               "-m", "", "-rx",
                "-W", "ignore", f"{__file__}::{request.node.name}", "--basetemp", str(tmp_path / "inside")]
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         assert p.returncode == 0 and (" passed" in p.stdout or " xfailed" in p.stdout), \
@@ -182,7 +183,8 @@ class Fleet:
                 f"--seeds={seeds}", f"--arms={arms}", f"--workdir={d}", f"--engine={engine}",
                 *([f"--address={self.cluster.address}"] if engine == "ray" else []), *flags, "--",
                 f"--config.train.steps={steps}", "--config.train.checkpoint_every=1", "--config.train.log_every=1",
-                f"--config.data.dir={self.data}", "--config.eval.windows=8", "--config.train.compile_cache_min_s=0", *extra]
+                f"--config.data.dir={self.data}", "--config.eval.windows=8",
+                "--config.train.compile_cache_min_s=0", *extra]
 
     def start(self, d: Path, *flags, log="driver", env=None, **kw) -> subprocess.Popen:
         with open(self.tmp / f"{log}.log", "w") as out:
