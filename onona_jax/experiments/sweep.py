@@ -19,6 +19,13 @@ the same DIR are kept in it. (Runs launched from emitted lines record no status:
 shows a run without an eval file as missing.) A sweep holds `DIR/lock.json` (the lock train.py
 takes on a workdir) while it writes DIR, so a second sweep on DIR exits 2 naming the first; each
 run's train.py holds its own run directory.
+
+`--engine=ray --address=auto|HOST:PORT` runs the same commands on a Ray cluster instead, each
+run placed by Ray (`--cpus`, `--gpus`, `--tpu`; `--hosts=N`: a gang of N hosts), relaunched
+after a pre-emption and retried after a failure within `--max_preemptions` / `--max_failures`,
+each run's account in `DIR/fleet/` (experiments/ray_engine.py, fleet.py; docs/pods.md, "A grid
+on a fleet"). `--status` prints every run's state, step, pre-emptions, failures, last error line
+and logs, and runs nothing.
 """
 
 from __future__ import annotations
@@ -193,6 +200,42 @@ def define(fv, argv):
     flags.DEFINE_bool("dry_run", False, "print the commands and write nothing", flag_values=fv)
     flags.DEFINE_string("python", None, "interpreter in the commands (default: this one); e.g. python for --emit",
                         flag_values=fv)
+    flags.DEFINE_enum("engine", "local", ["local", "ray"], "local: every run in turn on this host; ray: the "
+                      "runs on a Ray cluster (--address), relaunched after a pre-emption (docs/pods.md)",
+                      flag_values=fv)
+    flags.DEFINE_bool("status", False, "print each run's state (queued, running, pre-empted, failed, done), "
+                      "step, pre-emptions, failures, last error line and logs; run nothing", flag_values=fv)
+    # --engine=ray (experiments/ray_engine.py, fleet.py)
+    flags.DEFINE_string("address", None, "the Ray cluster: auto (the one this host belongs to) or its head's "
+                        "HOST:PORT", flag_values=fv)
+    flags.DEFINE_integer("max_failures", None, "failed attempts of a run tried again (default 2)", flag_values=fv)
+    flags.DEFINE_integer("max_preemptions", None, "pre-emptions of a run tried again (default: no limit)",
+                         flag_values=fv)
+    flags.DEFINE_integer("hosts", None, "hosts per run (default 1); more: a gang, one process per host",
+                         flag_values=fv)
+    flags.DEFINE_float("cpus", None, "CPUs per host of a run (default 1)", flag_values=fv)
+    flags.DEFINE_float("gpus", None, "GPUs per host of a run (default 0)", flag_values=fv)
+    flags.DEFINE_string("tpu", None, "a TPU slice per run, <version>:<topology> (e.g. v5e:4x4)", flag_values=fv)
+
+
+RAY_FLAGS = ("address", "max_failures", "max_preemptions", "hosts", "cpus", "gpus", "tpu")
+
+
+def _fleet_options(fv):
+    """(address, Placement, Budgets) of --engine=ray, validated; one `error:` line otherwise."""
+    from onona_jax.experiments import fleet, ray_engine
+
+    given = [f"--{k}" for k in RAY_FLAGS if getattr(fv, k) is not None]
+    if fv.engine != "ray":
+        if given:
+            raise cli.UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --engine=ray")
+        return None
+    placement = ray_engine.Placement(fv.hosts if fv.hosts is not None else 1,
+                                     fv.cpus if fv.cpus is not None else 1, fv.gpus or 0, fv.tpu or "")
+    budgets = fleet.Budgets(fv.max_preemptions, fv.max_failures if fv.max_failures is not None else 2)
+    address = fv.address or "auto"
+    ray_engine.check_flags(address, placement, budgets)
+    return address, placement, budgets
 
 
 def _main(fv, extra):
@@ -219,14 +262,28 @@ def _main(fv, extra):
             raise cli.UsageError(f"--arms {', '.join(unknown)} not in grid {fv.grid} "
                                  f"({', '.join(a['name'] for a in arms)})")
         arms = [a for a in arms if a["name"] in fv.arms]
+    if fv.status:
+        from onona_jax.experiments import fleet
+
+        print(fleet.table(fleet.runs(arms, seeds, workdir), _read_json(paths.Sweepdir(workdir).status, {})))
+        return 0
+    engine = _fleet_options(fv)
     if fv.dry_run:
         print("# " + budget_table(arms).replace("\n", "\n# "))
         for arm in arms:
             for seed in seeds:
                 print(command_line(arm, seed, workdir, extra, root, fv.python))
         return 0
+    ray = None
+    if engine and not fv.emit:
+        from onona_jax.experiments import ray_engine
+
+        ray = ray_engine.connect(engine[0])
+        ray_engine.check_storage(ray, workdir)
     with WorkdirLock(workdir):  # one sweep per directory: grid.json, sweep_status.json and the runs' logs
         write_grid_json(workdir, info, seeds, extra)
+        if ray is not None:
+            return _run_on_fleet(ray, engine, arms, seeds, workdir, extra, fv.python)
         if fv.emit:
             lines = emit(fv.emit, arms, seeds, workdir, extra, root, fv.python)
             print(f"wrote {len(lines)} command lines to {fv.emit}; "
@@ -244,6 +301,21 @@ def _main(fv, extra):
           + (f" ({', '.join(failed)})" if failed else "")
           + f"; python -m onona_jax.experiments.report {workdir}")
     return 1 if failed else 0
+
+
+def _run_on_fleet(ray, engine, arms, seeds, workdir, extra, python) -> int:
+    from onona_jax.experiments import fleet, ray_engine
+
+    address, placement, budgets = engine
+    runs = fleet.runs(arms, seeds, workdir)
+    states = ray_engine.run_sweep(address, runs, budgets, placement, extra, python, ray=ray)
+    print(fleet.table(runs))
+    missing = [k for k, r in states.items() if r["state"] != "done"]
+    print(f"done: {len(runs) - len(missing)} of {len(runs)} runs"
+          + (f"; not done: {', '.join(missing)} (sweep --status; rerun the same command to retry them)"
+             if missing else "")
+          + f"; python -m onona_jax.experiments.report {workdir}")
+    return 1 if missing else 0
 
 
 def main(argv=None) -> int:

@@ -119,10 +119,12 @@ def take_lock(workdir: str) -> WorkdirLock:
 def write_config(cfg, workdir: str):
     """config.json, the run's config at each start (process 0), with a warning if it was edited
     by hand since the newest checkpoint's save (it is never read back)."""
+    wd = paths.Workdir(workdir)
+    # Read on every process: opening and reading the checkpoints joins Orbax's barriers, which
+    # process 0 alone would wait at (a multi-host run resumed from its checkpoints).
+    edited = config_edits(wd.config, wd.checkpoints)
     if jax.process_index() != 0:
         return
-    wd = paths.Workdir(workdir)
-    edited = config_edits(wd.config, wd.checkpoints)
     if edited:
         print(f"warning: {wd.config} differs from the config saved with the newest checkpoint ({edited}): "
               "edited by hand? It records a run's config and is never read back, so the edit is ignored and "
