@@ -384,6 +384,7 @@ def test_sigterm_is_a_preemption_and_a_bad_run_fails_within_its_budget(data, tmp
     assert "1 failed, 1 done" in status, status
 
 
+@pytest.mark.slow  # the default suite's 15 minutes: 3 runs, the driver killed and rerun
 @isolated
 def test_rerun_after_the_driver_died_finishes_only_what_was_missing(data, tmp):
     """1 arm × 3 seeds on 2 nodes; seed 2's workdir is held by another writer (the engine's run
