@@ -2,11 +2,14 @@
 
 __version__ = "0.1.0"
 
+# A Ctrl-C before a command's own work begins (imports, jax.distributed): one line, the same for both.
+INTERRUPTED_WHILE_STARTING = "interrupted while starting; nothing was written"
+
 
 def _interrupted_while_starting(signum, frame):
     import os
 
-    os.write(2, b"error: interrupted while starting; nothing was written\n")
+    os.write(2, f"error: {INTERRUPTED_WHILE_STARTING}\n".encode())
     os._exit(130)
 
 

@@ -7,6 +7,7 @@ import sys
 
 from absl import flags
 
+import onona_jax
 from onona_jax.cli.errors import Failure, UsageError
 from onona_jax.cli.preflight import check_environment, environment_failure, quiet_libtpu
 from onona_jax.cli.signals import INTERRUPTED, Interrupted, exit_process, sigint_handling
@@ -144,7 +145,7 @@ def run_module(define, main, doc: str = ""):
             from onona_jax import platform
 
             platform.initialize()
-        except Interrupted as err:
-            _error(f"interrupted; {err}")
+        except Interrupted:
+            _error(onona_jax.INTERRUPTED_WHILE_STARTING)
             exit_process(INTERRUPTED)
     exit_process(run(define, main, None, doc))
