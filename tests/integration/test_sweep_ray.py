@@ -398,7 +398,7 @@ def test_rerun_after_the_driver_died_finishes_only_what_was_missing(data, tmp):
         dirs["standard/seed1"].mkdir(parents=True)
         with WorkdirLock(str(dirs["standard/seed1"])):
             p = fleet.start(d, arms="standard", seeds="0,1")
-            def finished_and_refused():  # (seed 1 starts once a node is free)
+            def finished_and_refused():  # (both start at once, a node each)
                 done = [k for k, rd in dirs.items() if (rd / "eval" / f"step_{STEPS}.json").exists()]
                 refused = (d / "fleet" / "standard.seed1.json").exists() and record(d, "standard/seed1")["busy"]
                 return done if refused else None
